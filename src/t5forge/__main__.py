@@ -1,0 +1,3 @@
+from t5forge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The `t5forge` command. Each subcommand is a thin wrapper over the library; this is the only place
+that turns t5forge errors into a one-line message and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def _load_config(name_or_dir: str):
+    from t5forge.models.hf import config_from_hf, read_hf_config
+    from t5forge.models.presets import get_preset
+
+    if Path(name_or_dir).is_dir():
+        return config_from_hf(read_hf_config(name_or_dir))
+    return get_preset(name_or_dir)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from t5forge.models.summary import human_count, summarize
+
+    config = _load_config(args.model)
+    s = summarize(config)
+    if args.json:
+        print(json.dumps({
+            "model_type": s.model_type, "variant": s.variant, "parameters": s.parameters,
+            "embedding": s.embedding, "encoder": s.encoder, "decoder": s.decoder, "lm_head": s.lm_head,
+            "non_embedding": s.non_embedding, "config": config.to_dict(),
+            "training_memory_gib": {"fp32": s.training_gib(False), "mixed": s.training_gib(True)},
+        }, indent=2))
+        return 0
+    c = config
+    console = Console()
+    console.print(f"[bold]{args.model}[/bold]: {s.variant}, {human_count(s.parameters)} parameters "
+                  f"({s.parameters:,})")
+    console.print(f"  d_model {c.d_model}, d_ff {c.d_ff}, heads {c.num_heads} x d_kv {c.d_kv}, "
+                  f"layers {c.num_layers} encoder + {c.num_decoder_layers} decoder, vocab {c.vocab_size}, "
+                  f"FFN {c.feed_forward_proj}, head {'tied' if c.tie_word_embeddings else 'untied'}")
+    parts = Table(title="parameters", show_header=True)
+    parts.add_column("part")
+    parts.add_column("count", justify="right")
+    parts.add_column("share", justify="right")
+    for name, n in (("embedding (shared)", s.embedding), ("encoder", s.encoder), ("decoder", s.decoder),
+                    ("lm_head", s.lm_head)):
+        parts.add_row(name, f"{n:,}", f"{100 * n / s.parameters:.1f}%")
+    console.print(parts)
+    memory = Table(title="memory of model state per replica, GiB (activations not included)")
+    memory.add_column("")
+    for col in ("weights", "gradients", "optimizer", "half weights", "total"):
+        memory.add_column(col, justify="right")
+    fp32, mixed = s.training_gib(False), s.training_gib(True)
+    memory.add_row("inference bf16", f"{s.weights_gib(2):.2f}", "", "", "", f"{s.weights_gib(2):.2f}")
+    memory.add_row("train fp32 AdamW", *(f"{fp32[k]:.2f}" if k in fp32 else "" for k in
+                                         ("weights", "gradients", "optimizer", "half weights", "total")))
+    memory.add_row("train bf16/fp16 AdamW", *(f"{mixed[k]:.2f}" for k in
+                                              ("weights", "gradients", "optimizer", "half weights", "total")))
+    console.print(memory)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from t5forge.errors import CheckpointError
+    from t5forge.models.hf import from_pretrained, save_pretrained
+    from t5forge.train.checkpoint import is_dcp_checkpoint, load_model_checkpoint, save_model_checkpoint
+
+    src, dst = Path(args.source), Path(args.output)
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist; pass an HF model directory or a t5forge checkpoint")
+    if src.resolve() == dst.resolve():
+        raise CheckpointError("source and output are the same path; write the conversion somewhere else")
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    model = load_model_checkpoint(src, dtype) if is_dcp_checkpoint(src) else from_pretrained(src, dtype)
+    if args.to == "hf":
+        from t5forge.fileio import atomic_directory
+
+        with atomic_directory(dst) as staging:
+            save_pretrained(model, staging, max_shard_size=args.max_shard_size)
+    else:
+        save_model_checkpoint(model, dst)
+    print(f"wrote {args.to} checkpoint {dst} ({model.config.model_type}, {model.num_parameters():,} parameters)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = sub.add_parser("info", help="size and memory of a preset or an HF model directory")
+    info.add_argument("model", metavar="PRESET|DIR")
+    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.set_defaults(func=cmd_info)
+
+    convert = sub.add_parser(
+        "convert", help="convert between HF directories and t5forge (DCP) checkpoints",
+        description="SOURCE is an HF model directory (config.json + safetensors or pytorch_model.bin, "
+                    "single or sharded) or a t5forge DCP checkpoint; OUTPUT must not exist or be empty.")
+    convert.add_argument("source", metavar="SOURCE")
+    convert.add_argument("output", metavar="OUTPUT")
+    convert.add_argument("--to", choices=("hf", "dcp"), default="hf", help="output format (default hf)")
+    convert.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep stored dtypes)")
+    convert.add_argument("--max-shard-size", default="5GB", help="HF output shard size (default 5GB)")
+    convert.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from t5forge.errors import T5ForgeError
+
+    try:
+        return args.func(args)
+    except T5ForgeError as e:
+        print(f"t5forge {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

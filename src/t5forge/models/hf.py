@@ -1,0 +1,288 @@
+"""HuggingFace checkpoints in and out: config.json + safetensors (single or sharded), pytorch_model.bin.
+
+The one place that knows how HF spells T5 configs and weights:
+- Parameter names are identical to ours, except that HF checkpoints may also carry copies of the
+  embedding under `encoder.embed_tokens.weight` / `decoder.embed_tokens.weight`, and old ones an unused
+  cross-attention relative bias. Anything else missing, unexpected or mis-shaped is an error.
+- Head tying: a checkpoint without `lm_head.weight` has its head tied to `shared.weight`.
+- Output rescaling (d_model**-0.5, T5 v1.0): HF 5.x stores it as `scale_decoder_outputs`; HF 4.x (and
+  every published checkpoint) derive it from `tie_word_embeddings`. We read both and write both, and we
+  write `lm_head.weight` whenever the head is not (tied and rescaled), so 4.x and 5.x read exports alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from t5forge.errors import CheckpointError, ConfigError
+from t5forge.fileio import staged_files
+from t5forge.models.t5 import MODEL_TYPES, T5Config, T5ForConditionalGeneration
+
+HF_ARCHITECTURES = {
+    "t5": "T5ForConditionalGeneration",
+    "mt5": "MT5ForConditionalGeneration",
+    "umt5": "UMT5ForConditionalGeneration",
+}
+# HF's config defaults where a config.json leaves a field out (they differ by model_type).
+_HF_DEFAULTS = {
+    "t5": dict(vocab_size=32128, d_ff=2048, num_layers=6, num_heads=8, feed_forward_proj="relu"),
+    "mt5": dict(vocab_size=250112, d_ff=1024, num_layers=8, num_heads=6, feed_forward_proj="gated-gelu"),
+    "umt5": dict(vocab_size=250112, d_ff=1024, num_layers=8, num_heads=6, feed_forward_proj="gated-gelu"),
+}
+_FIELDS = [
+    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+    "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",
+    "layer_norm_epsilon", "initializer_factor", "feed_forward_proj", "pad_token_id", "eos_token_id",
+    "decoder_start_token_id",
+]
+# Keys derived from the fields above, or describing the file rather than the model: rewritten on export.
+_DERIVED_KEYS = {"architectures", "model_type", "tie_word_embeddings", "scale_decoder_outputs", "dense_act_fn",
+                 "is_gated_act", "is_encoder_decoder", "dtype", "torch_dtype", "transformers_version"}
+# Present in some HF checkpoints, never used by the model.
+_IGNORED_KEYS = {"decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
+_EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+# -- config ------------------------------------------------------------------------------------------------
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; pass an HF model directory (config.json + weights)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json; pass an HF model directory (config.json + weights)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); restore it from the original model") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} does not hold a JSON object")
+    return config
+
+
+def config_from_hf(hf: dict[str, Any]) -> T5Config:
+    """T5Config from the dict of an HF config.json. Raises ConfigError for non-T5 architectures."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        arch = ", ".join(hf.get("architectures") or []) or "no architectures listed"
+        raise ConfigError(
+            f"config.json describes model_type {model_type!r} ({arch}), not a T5-family model; t5forge reads "
+            f"model_type {', '.join(MODEL_TYPES)} (T5, T5 v1.1, Flan-T5, mT5, UMT5)"
+        )
+    values = {"d_model": 512, "d_kv": 64, **_HF_DEFAULTS[model_type]}
+    values.update({k: hf[k] for k in _FIELDS if hf.get(k) is not None})
+    tie = hf.get("tie_word_embeddings", model_type != "mt5")
+    if "scale_decoder_outputs" in hf:  # written by transformers 5.x
+        scale = bool(hf["scale_decoder_outputs"])
+    else:  # transformers 4.x: rescale iff tied; 5.x never rescales mT5, whose checkpoints are all untied
+        scale = bool(tie) and model_type != "mt5"
+    extra = {k: v for k, v in hf.items() if k not in _FIELDS and k not in _DERIVED_KEYS}
+    return T5Config(**values, tie_word_embeddings=bool(tie), scale_decoder_outputs=scale,
+                    model_type=model_type, extra=extra)
+
+
+def config_to_hf(config: T5Config, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    hf = dict(config.extra)
+    hf.update({k: getattr(config, k) for k in _FIELDS})
+    hf.update(
+        architectures=[HF_ARCHITECTURES[config.model_type]],
+        model_type=config.model_type,
+        dense_act_fn=config.dense_act_fn,
+        is_gated_act=config.is_gated_act,
+        is_encoder_decoder=True,
+        # 4.x reads this as "tie and rescale"; see the module docstring.
+        tie_word_embeddings=config.scale_decoder_outputs,
+        scale_decoder_outputs=config.scale_decoder_outputs,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return dict(sorted(hf.items()))
+
+
+# -- weights -----------------------------------------------------------------------------------------------
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or corrupt, copy it again") from e
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        # weights_only: never unpickle arbitrary objects from a checkpoint.
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types (pickle, zip, runtime) for a bad file
+        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated, corrupt or not weights-only") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} does not hold a state dict")
+    return state
+
+
+def _load_index(index_file: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_file} is not a valid shard index ({e})") from e
+    shards = [index_file.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise CheckpointError(f"{index_file} names shards that are missing: {', '.join(missing)}")
+    return shards
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF model directory, whichever of the four layouts it uses."""
+    path = Path(path)
+    if (path / SAFE_WEIGHTS).is_file():
+        return _load_safetensors(path / SAFE_WEIGHTS)
+    if (path / SAFE_INDEX).is_file():
+        state: dict[str, torch.Tensor] = {}
+        for shard in _load_index(path / SAFE_INDEX):
+            state.update(_load_safetensors(shard))
+        return state
+    if (path / BIN_WEIGHTS).is_file():
+        return _load_bin(path / BIN_WEIGHTS)
+    if (path / BIN_INDEX).is_file():
+        state = {}
+        for shard in _load_index(path / BIN_INDEX):
+            state.update(_load_bin(shard))
+        return state
+    raise CheckpointError(
+        f"{path} has no weights: expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}"
+    )
+
+
+def _summarise(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def build_model(
+    config: T5Config, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu", source: str = "checkpoint",
+) -> T5ForConditionalGeneration:
+    """A model holding exactly the tensors of `state` (HF names). The head is tied iff `state` has no
+    `lm_head.weight`. Every missing, unexpected or mis-shaped tensor is reported in one error."""
+    state = dict(state)
+    for alias in _EMBEDDING_ALIASES:
+        tensor = state.pop(alias, None)
+        if tensor is not None:
+            state.setdefault("shared.weight", tensor)
+    for key in _IGNORED_KEYS:
+        state.pop(key, None)
+    tied = "lm_head.weight" not in state or (
+        config.tie_word_embeddings and "shared.weight" in state
+        and torch.equal(state["lm_head.weight"], state["shared.weight"])
+    )
+    if tied:
+        state.pop("lm_head.weight", None)
+    config = T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}, extra=config.extra)
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(f"{k} {tuple(state[k].shape)} (expected {tuple(expected[k])})"
+                       for k in set(expected) & set(state) if state[k].shape != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"missing: {_summarise(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {_summarise(unexpected)}")
+    if misshaped:
+        problems.append(f"wrong shape: {_summarise(misshaped)}")
+    if problems:
+        raise CheckpointError(
+            f"{source} does not match its config ({config.model_type}, d_model={config.d_model}, "
+            f"{config.num_layers}+{config.num_decoder_layers} layers): " + "; ".join(problems)
+            + ". Use the config.json that was saved with these weights."
+        )
+    not_float = sorted(k for k, v in state.items() if not v.is_floating_point())
+    if not_float:
+        raise CheckpointError(f"{source} holds non-floating-point (quantized?) tensors: {_summarise(not_float)}")
+    if tied:
+        state["lm_head.weight"] = state["shared.weight"]
+    state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:  # assign=True made two Parameters over one storage; make them one Parameter again
+        model.lm_head.weight = model.shared.weight
+    return model
+
+
+def from_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> T5ForConditionalGeneration:
+    """Load an HF T5-family directory. dtype None keeps the stored dtypes (bit-exact weights)."""
+    config = config_from_hf(read_hf_config(path))
+    model = build_model(config, load_hf_state_dict(path), dtype=dtype, device=device, source=str(path))
+    return model.eval()
+
+
+def hf_state_dict(model: T5ForConditionalGeneration) -> dict[str, torch.Tensor]:
+    """The tensors an HF checkpoint of `model` holds: lm_head.weight is left out only when the head is
+    tied and rescaled (T5 v1.0), the one case that every transformers version reads as tied."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    cfg = model.config
+    if cfg.tie_word_embeddings and cfg.scale_decoder_outputs:
+        del state["lm_head.weight"]
+    elif cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["lm_head.weight"].clone()  # safetensors refuses shared storage
+    return state
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    if text.isdigit():
+        return int(text)
+    raise ConfigError(f"cannot read size {size!r}; write it like 5GB, 500MB or 2GiB")
+
+
+def save_pretrained(
+    model: T5ForConditionalGeneration, path: str | os.PathLike, max_shard_size: int | str = "5GB"
+) -> None:
+    """Write config.json + model.safetensors (or shards + index when larger than max_shard_size).
+
+    Files appear atomically, config.json last; weight files of an earlier save in `path` are replaced."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    path = Path(path)
+    state = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
+    split = split_torch_state_dict_into_shards(state, max_shard_size=parse_size(max_shard_size))
+    with staged_files(path) as staging:
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: state[n] for n in names}, staging / filename, metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (staging / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        new_files = {p.name for p in staging.iterdir()}
+    # Weights of an earlier save that the new one does not overwrite would confuse loaders.
+    for old in list(path.glob("model*.safetensors")) + list(path.glob("pytorch_model*.bin")) + [
+        path / SAFE_INDEX, path / BIN_INDEX
+    ]:
+        if old.name not in new_files and old.is_file():
+            old.unlink()

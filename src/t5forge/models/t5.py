@@ -1,0 +1,497 @@
+"""The T5 family in one file: T5 v1.0, T5 v1.1 / Flan-T5, mT5 and UMT5.
+
+Read top to bottom: config, norm, attention with relative position bias, feed-forward, block, stack,
+the conditional-generation wrapper. Parameter names are HuggingFace's (`shared`,
+`encoder.block.N.layer.0.SelfAttention.q`, ...), so checkpoints map one-to-one.
+
+There is no parallelism here: tensor/data/pipeline parallelism and activation checkpointing are applied
+to this plain model from outside (t5forge.parallel).
+
+Variants are selected by config, not by copies of the code:
+- `feed_forward_proj`: "relu" (v1.0, one `wi`) or "gated-gelu" (v1.1 / mT5 / UMT5: `wi_0`, `wi_1`).
+- `tie_word_embeddings`: the LM head reuses `shared.weight` (v1.0) or has its own `lm_head.weight`.
+- `scale_decoder_outputs`: multiply the decoder output by d_model**-0.5 before the head (v1.0 only).
+- `relative_bias_per_layer`: every self-attention owns a relative position bias (UMT5) instead of the
+  first layer of each stack computing it once for all layers (T5, mT5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from t5forge.errors import ConfigError
+
+MODEL_TYPES = ("t5", "mt5", "umt5")
+
+# Activation names as HF's ACT2FN spells them. "gelu_new" is GELU with the tanh approximation (Mesh TF's).
+_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class T5Config:
+    """Architecture of one T5-family model. Field names and meanings are those of HF's config.json."""
+
+    vocab_size: int = 32128
+    d_model: int = 512
+    d_kv: int = 64  # per-head size; need not equal d_model / num_heads
+    d_ff: int = 2048
+    num_layers: int = 6
+    num_decoder_layers: int | None = None  # None: same as num_layers
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout_rate: float = 0.1
+    layer_norm_epsilon: float = 1e-6
+    initializer_factor: float = 1.0
+    feed_forward_proj: str = "relu"
+    tie_word_embeddings: bool = True
+    scale_decoder_outputs: bool | None = None  # None: same as tie_word_embeddings
+    model_type: str = "t5"
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    decoder_start_token_id: int = 0
+    # config.json keys this class does not model (task_specific_params, ...), kept so exports carry them.
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_layers
+        if self.scale_decoder_outputs is None:
+            self.scale_decoder_outputs = self.tie_word_embeddings
+        self.validate()
+
+    @property
+    def is_gated_act(self) -> bool:
+        return self.feed_forward_proj.startswith("gated-")
+
+    @property
+    def dense_act_fn(self) -> str:
+        act = self.feed_forward_proj.split("-")[-1]
+        # HF keeps "gated-gelu" meaning the tanh approximation, for compatibility with v1.1 checkpoints.
+        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else act
+
+    @property
+    def relative_bias_per_layer(self) -> bool:
+        return self.model_type == "umt5"
+
+    def validate(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not a T5-family architecture; "
+                f"expected one of {', '.join(MODEL_TYPES)}"
+            )
+        parts = self.feed_forward_proj.split("-")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or self.dense_act_fn not in _ACTIVATIONS:
+            raise ConfigError(
+                f"feed_forward_proj {self.feed_forward_proj!r} is not supported; use 'relu', 'gated-gelu' "
+                f"or '[gated-]ACT' with ACT in {sorted(_ACTIVATIONS)}"
+            )
+        for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+                     "relative_attention_num_buckets", "relative_attention_max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ConfigError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+
+class T5LayerNorm(nn.Module):
+    """T5's norm: RMSNorm without mean or bias; the variance is accumulated in fp32 for half inputs."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """Mesh TF's bucketing of (key position - query position): exact buckets for small distances,
+    logarithmically wider ones up to `max_distance`, one last bucket beyond. Decoder (unidirectional)
+    attention only distinguishes distances into the past."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = relative_position.abs()
+    else:
+        relative_position = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.clamp(if_large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, relative_position, if_large)
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention without 1/sqrt(d) scaling; position information enters as an additive bias."""
+
+    def __init__(self, config: T5Config, has_relative_attention_bias: bool, is_decoder: bool):
+        super().__init__()
+        self.n_heads = config.num_heads
+        self.d_kv = config.d_kv
+        self.is_decoder = is_decoder
+        self.has_relative_attention_bias = has_relative_attention_bias
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        self.dropout = config.dropout_rate
+        inner_dim = config.num_heads * config.d_kv
+        self.q = nn.Linear(config.d_model, inner_dim, bias=False)
+        self.k = nn.Linear(config.d_model, inner_dim, bias=False)
+        self.v = nn.Linear(config.d_model, inner_dim, bias=False)
+        self.o = nn.Linear(inner_dim, config.d_model, bias=False)
+        if has_relative_attention_bias:
+            self.relative_attention_bias = nn.Embedding(self.num_buckets, self.n_heads)
+
+    def compute_bias(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """Relative position bias [1, heads, query_length, key_length]. `query_offset` is the position of
+        the first query (non-zero when decoding one token at a time)."""
+        device = self.relative_attention_bias.weight.device
+        query_pos = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + query_offset
+        key_pos = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(
+            key_pos - query_pos,
+            bidirectional=not self.is_decoder,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        values = self.relative_attention_bias(buckets)  # [q, k, heads]
+        return values.permute(2, 0, 1).unsqueeze(0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attn_bias: torch.Tensor | None,
+        key_value_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [batch, q_len, d_model]; key_value_states [batch, k_len, d_model] for
+        cross-attention; attn_bias broadcastable to [batch, heads, q_len, k_len] (position bias + mask)."""
+        batch, q_len, _ = hidden_states.shape
+        source = hidden_states if key_value_states is None else key_value_states
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [b, len, h*d] -> [b, h, len, d]
+            return x.view(batch, -1, self.n_heads, self.d_kv).transpose(1, 2)
+
+        query, key, value = heads(self.q(hidden_states)), heads(self.k(source)), heads(self.v(source))
+        if attn_bias is not None:
+            attn_bias = attn_bias.to(query.dtype)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_bias,
+            dropout_p=self.dropout if self.training else 0.0, scale=1.0,
+        )
+        out = out.transpose(1, 2).reshape(batch, q_len, self.n_heads * self.d_kv)
+        return self.o(out)
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, config: T5Config, has_relative_attention_bias: bool, is_decoder: bool):
+        super().__init__()
+        self.SelfAttention = T5Attention(config, has_relative_attention_bias, is_decoder)
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
+        return hidden_states + self.dropout(self.SelfAttention(self.layer_norm(hidden_states), attn_bias))
+
+
+class T5LayerCrossAttention(nn.Module):
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False, is_decoder=True)
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, attn_bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        attended = self.EncDecAttention(self.layer_norm(hidden_states), attn_bias, encoder_hidden_states)
+        return hidden_states + self.dropout(attended)
+
+
+class T5DenseActDense(nn.Module):
+    """v1.0 feed-forward: wo(act(wi(x)))."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = _ACTIVATIONS[config.dense_act_fn]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        # Checkpoints may keep `wo` in fp32 while the rest is half (HF does so for Flan-T5-XXL).
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class T5DenseGatedActDense(nn.Module):
+    """v1.1 / mT5 / UMT5 feed-forward: wo(act(wi_0(x)) * wi_1(x))."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = _ACTIVATIONS[config.dense_act_fn]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.DenseReluDense = T5DenseGatedActDense(config) if config.is_gated_act else T5DenseActDense(config)
+        self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    # As HF: keep fp16 activations finite so fp16 training of large T5s does not overflow into inf.
+    if hidden_states.dtype != torch.float16:
+        return hidden_states
+    finfo = torch.finfo(torch.float16)
+    clamp_value = torch.where(torch.isinf(hidden_states).any(), finfo.max - 1000, finfo.max)
+    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+
+
+class T5Block(nn.Module):
+    """layer[0] self-attention, layer[1] cross-attention (decoder only), layer[-1] feed-forward."""
+
+    def __init__(self, config: T5Config, has_relative_attention_bias: bool, is_decoder: bool):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.layer = nn.ModuleList([T5LayerSelfAttention(config, has_relative_attention_bias, is_decoder)])
+        if is_decoder:
+            self.layer.append(T5LayerCrossAttention(config))
+        self.layer.append(T5LayerFF(config))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_attn_bias: torch.Tensor | None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        cross_attn_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = _clamp_fp16(self.layer[0](hidden_states, self_attn_bias))
+        if self.is_decoder:
+            hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias))
+        return _clamp_fp16(self.layer[-1](hidden_states))
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean "may attend" mask -> additive float mask (0 where allowed, the dtype's minimum elsewhere)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class T5Stack(nn.Module):
+    """The encoder or the decoder: blocks over already-embedded inputs, then the final norm.
+
+    The embedding lives in the parent model (`shared`) and is passed in, so the stack has no copy of it."""
+
+    def __init__(self, config: T5Config, is_decoder: bool):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.per_layer_bias = config.relative_bias_per_layer
+        num_blocks = config.num_decoder_layers if is_decoder else config.num_layers
+        self.block = nn.ModuleList(
+            T5Block(config, has_relative_attention_bias=self.per_layer_bias or i == 0, is_decoder=is_decoder)
+            for i in range(num_blocks)
+        )
+        self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding."""
+        batch, length, _ = inputs_embeds.shape
+        dtype, device = inputs_embeds.dtype, inputs_embeds.device
+
+        # Which keys each query may see: [batch or 1, 1, q_len, k_len], True = attend.
+        keep = None
+        if attention_mask is not None:
+            keep = attention_mask.bool()[:, None, None, :]
+        if self.is_decoder:
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+            keep = causal if keep is None else keep & causal
+        mask = None if keep is None else additive_mask(keep, dtype)
+
+        cross_bias = None
+        if self.is_decoder and encoder_attention_mask is not None:
+            cross_bias = additive_mask(encoder_attention_mask.bool()[:, None, None, :], dtype)
+
+        hidden_states = self.dropout(inputs_embeds)
+        self_bias = None
+        for block in self.block:
+            attention = block.layer[0].SelfAttention
+            # T5/mT5: the first block's bias is reused by every block; UMT5: each block has its own.
+            if attention.has_relative_attention_bias:
+                self_bias = attention.compute_bias(length, length)
+                if mask is not None:
+                    self_bias = self_bias + mask
+            hidden_states = block(hidden_states, self_bias, encoder_hidden_states, cross_bias)
+        return self.dropout(self.final_layer_norm(hidden_states))
+
+
+@dataclass
+class Seq2SeqLMOutput:
+    """Batch-first outputs. `loss` is the mean cross-entropy over labels != -100."""
+
+    logits: torch.Tensor  # [batch, target_len, vocab]
+    loss: torch.Tensor | None = None
+    encoder_last_hidden_state: torch.Tensor | None = None  # [batch, source_len, d_model]
+
+
+class T5ForConditionalGeneration(nn.Module):
+    """Encoder-decoder T5 with a language-modelling head, HF's forward signature and outputs."""
+
+    def __init__(self, config: T5Config):
+        super().__init__()
+        self.config = config
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = T5Stack(config, is_decoder=False)
+        self.decoder = T5Stack(config, is_decoder=True)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.shared.weight
+
+    # -- construction ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Mesh TF / T5X initialisation (HF's `_init_weights`, except that an untied `lm_head` gets std
+        d_model**-0.5 instead of 1.0, so that pretraining from scratch starts near loss ln(vocab))."""
+        cfg, factor = self.config, self.config.initializer_factor
+
+        def normal(p: torch.Tensor, std: float) -> None:
+            p.normal_(mean=0.0, std=factor * std, generator=generator)
+
+        normal(self.shared.weight, 1.0)
+        if not cfg.tie_word_embeddings:
+            normal(self.lm_head.weight, cfg.d_model**-0.5)
+        for module in self.modules():
+            if isinstance(module, T5LayerNorm):
+                module.weight.fill_(factor)
+            elif isinstance(module, T5Attention):
+                normal(module.q.weight, (cfg.d_model * cfg.d_kv) ** -0.5)
+                normal(module.k.weight, cfg.d_model**-0.5)
+                normal(module.v.weight, cfg.d_model**-0.5)
+                normal(module.o.weight, (cfg.num_heads * cfg.d_kv) ** -0.5)
+                if module.has_relative_attention_bias:
+                    normal(module.relative_attention_bias.weight, cfg.d_model**-0.5)
+            elif isinstance(module, T5DenseActDense):
+                normal(module.wi.weight, cfg.d_model**-0.5)
+                normal(module.wo.weight, cfg.d_ff**-0.5)
+            elif isinstance(module, T5DenseGatedActDense):
+                normal(module.wi_0.weight, cfg.d_model**-0.5)
+                normal(module.wi_1.weight, cfg.d_model**-0.5)
+                normal(module.wo.weight, cfg.d_ff**-0.5)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (a tied head counts once)."""
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            params.pop(id(self.shared.weight), None)
+            params.pop(id(self.lm_head.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs from labels: prepend decoder_start_token_id, drop the last label, and replace
+        ignored positions (-100) by the pad id, as HF does."""
+        shifted = labels.new_full(labels.shape, self.config.decoder_start_token_id)
+        shifted[..., 1:] = labels[..., :-1]
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [batch, source_len] -> encoder states [batch, source_len, d_model]."""
+        return self.encoder(self.shared(input_ids), attention_mask)
+
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """decoder_input_ids [batch, target_len] -> logits [batch, target_len, vocab]."""
+        hidden_states = self.decoder(
+            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask
+        )
+        if self.config.scale_decoder_outputs:
+            # Mesh TF rescales before projecting with the (tied) embedding matrix.
+            hidden_states = hidden_states * (self.config.d_model**-0.5)
+        return self.lm_head(hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> Seq2SeqLMOutput:
+        """input_ids [batch, source_len]; labels [batch, target_len] with -100 for ignored positions.
+        Without decoder_input_ids, they are labels shifted right."""
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("pass decoder_input_ids or labels (decoder inputs are derived from labels)")
+            decoder_input_ids = self.shift_right(labels)
+        encoder_hidden_states = self.encode(input_ids, attention_mask)
+        logits = self.decode(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                                   ignore_index=-100)
+        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_hidden_states)
+
+    # -- HF checkpoints (implemented in t5forge.models.hf) ---------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None,
+                        device: torch.device | str = "cpu") -> "T5ForConditionalGeneration":
+        from t5forge.models.hf import from_pretrained
+
+        return from_pretrained(path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path, max_shard_size: int | str = "5GB") -> None:
+        from t5forge.models.hf import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)
