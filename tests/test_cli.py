@@ -1,0 +1,117 @@
+"""The `t5forge` command: info and convert, and one clear message with exit status 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_reference import build_hf_model
+from safetensors.torch import load_file
+
+from t5forge.cli import main
+
+TINY = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_heads=2, num_layers=2, num_decoder_layers=3)
+
+
+@pytest.fixture(scope="module", params=["v1.0-fp32", "v1.1-bf16", "umt5-fp32"])
+def hf_dir(request, tmp_path_factory):
+    if request.param == "v1.0-fp32":
+        hf = build_hf_model(model_type="t5", feed_forward_proj="relu", **TINY)
+    elif request.param == "v1.1-bf16":
+        hf = build_hf_model(model_type="t5", untied=True, feed_forward_proj="gated-gelu", **TINY).bfloat16()
+    else:
+        hf = build_hf_model(model_type="umt5", untied=True, **TINY)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return path
+
+
+def test_convert_round_trips_an_hf_directory_bit_exactly(hf_dir, tmp_path, capsys):
+    assert main(["convert", str(hf_dir), str(tmp_path / "dcp"), "--to", "dcp"]) == 0
+    assert (tmp_path / "dcp" / ".metadata").is_file()
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    assert "wrote hf checkpoint" in capsys.readouterr().out
+
+    original = load_file(hf_dir / "model.safetensors")
+    converted = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(converted) == sorted(original)
+    for key, tensor in original.items():
+        assert converted[key].dtype == tensor.dtype, key
+        assert torch.equal(converted[key], tensor), key
+
+    before = json.loads((hf_dir / "config.json").read_text())
+    after = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # transformers 5.x always writes tie_word_embeddings=true; we write what 4.x needs (see models/hf.py).
+    for key in set(before) - {"transformers_version", "tie_word_embeddings"}:
+        assert after[key] == before[key], key
+
+
+def test_convert_hf_to_hf_with_dtype_and_shards(hf_dir, tmp_path):
+    out = tmp_path / "bf16"
+    assert main(["convert", str(hf_dir), str(out), "--dtype", "bf16", "--max-shard-size", "10KB"]) == 0
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(out / shard))
+    original = load_file(hf_dir / "model.safetensors")
+    assert sorted(tensors) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(tensors[key], tensor.to(torch.bfloat16)), key
+
+
+def test_info_reports_preset_and_directory(hf_dir, capsys):
+    assert main(["info", "t5-small"]) == 0
+    out = capsys.readouterr().out
+    assert "60,506,624" in out and "train fp32 AdamW" in out
+    assert main(["info", str(hf_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"]["num_decoder_layers"] == 3
+    assert info["parameters"] == info["embedding"] + info["encoder"] + info["decoder"] + info["lm_head"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "t5forge", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_input_gives_one_message_and_exit_2(hf_dir, tmp_path):
+    # One real process, to check the exit status and that no traceback reaches the user.
+    result = run_cli("info", "mt5-smal")
+    assert result.returncode == 2
+    assert "unknown model preset 'mt5-smal'; did you mean mt5-small" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("case", ["no-config", "not-t5", "truncated", "missing-source", "output-not-empty"])
+def test_convert_bad_input(case, hf_dir, tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    if case == "not-t5":
+        (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+        expected = "model_type 'llama'"
+    elif case == "truncated":
+        (src / "config.json").write_text((hf_dir / "config.json").read_text())
+        data = (hf_dir / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[: len(data) - 100])
+        expected = "model.safetensors"
+    elif case == "missing-source":
+        src = tmp_path / "nowhere"
+        expected = "does not exist"
+    elif case == "output-not-empty":
+        src = hf_dir
+        out.mkdir()
+        (out / "keep.txt").write_text("user data")
+        expected = "already exists and is not empty"
+    else:
+        expected = "has no config.json"
+    assert main(["convert", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err
+    if case == "output-not-empty":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging files left behind"
