@@ -92,6 +92,42 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from t5forge.data.corpus import write_python_docs
+
+    documents, size = write_python_docs(args.output)
+    print(f"wrote {args.output}: {documents} documents, {size / 1e6:.2f} MB (Python documentation, PSF licence)")
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from t5forge.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
+                                character_coverage=args.character_coverage, seed=args.seed)
+    print(f"wrote {args.output}: {tokenizer.vocab_size} ids ({args.vocab_size} pieces + "
+          f"{len(tokenizer.sentinel_ids)} sentinels); a model needs vocab_size >= {tokenizer.vocab_size}")
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from t5forge.data.preprocess import preprocess
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), disable=not sys.stderr.isatty(),
+                  console=None) as bar:
+        task = bar.add_task("tokenizing", total=None)
+        stats = preprocess(args.input, args.tokenizer, args.output, workers=args.workers,
+                           json_key=args.json_key, skip_bad_lines=args.skip_bad_lines,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    skipped = f", skipped {stats.skipped_lines} bad lines" if stats.skipped_lines else ""
+    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens{skipped}; "
+          f"{stats.mb_per_s:.2f} MB/s, {stats.tokens_per_s:,.0f} tokens/s with {args.workers} worker(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -111,6 +147,37 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep stored dtypes)")
     convert.add_argument("--max-shard-size", default="5GB", help="HF output shard size (default 5GB)")
     convert.set_defaults(func=cmd_convert)
+
+    corpus = sub.add_parser("corpus", help="write a built-in text corpus")
+    corpus.add_argument("name", choices=["python-docs"],
+                        help="python-docs: standard-library docstrings + language reference (~2 MB, PSF licence)")
+    corpus.add_argument("--output", required=True, metavar="FILE")
+    corpus.set_defaults(func=cmd_corpus)
+
+    tokenizer = sub.add_parser("tokenizer", help="train a T5 SentencePiece tokenizer")
+    tokenizer_sub = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
+    train = tokenizer_sub.add_parser("train", help="unigram SentencePiece with T5's pad/eos/unk ids and 100 sentinels")
+    train.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    train.add_argument("--vocab-size", type=int, required=True,
+                       help="SentencePiece pieces; the 100 sentinels come on top (T5: 32000 -> 32100 ids)")
+    train.add_argument("--output", required=True, metavar="DIR")
+    train.add_argument("--character-coverage", type=float, default=1.0,
+                       help="1.0 for small alphabets; 0.9995 for many scripts (mT5-style corpora)")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=cmd_tokenizer_train)
+
+    pre = sub.add_parser("preprocess", help="tokenize text into a Megatron-compatible indexed dataset",
+                         description="Plain text (a blank line separates documents) or JSON lines "
+                                     "(.jsonl/.json, text under --json-key), optionally .gz. Writes "
+                                     "PREFIX.bin and PREFIX.idx, one sequence per document ending in eos.")
+    pre.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    pre.add_argument("--tokenizer", required=True, metavar="DIR")
+    pre.add_argument("--output", required=True, metavar="PREFIX")
+    pre.add_argument("--workers", type=int, default=1)
+    pre.add_argument("--json-key", default="text")
+    pre.add_argument("--skip-bad-lines", action="store_true",
+                     help="skip lines that are not UTF-8 (or not JSON records) and count them")
+    pre.set_defaults(func=cmd_preprocess)
     return parser
 
 

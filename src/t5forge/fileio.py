@@ -14,6 +14,17 @@ from pathlib import Path
 from t5forge.errors import T5ForgeError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_public(path: str | os.PathLike) -> None:
+    """Give a temp file or directory (created 0600 / 0700 by tempfile) the permissions of a normal one."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~_umask())
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty staging directory beside `final`; on success rename it to `final`.
@@ -25,6 +36,7 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
         raise T5ForgeError(f"output {final} already exists and is not empty; remove it or choose another path")
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    make_public(staging)
     try:
         yield staging
         if final.exists():
@@ -57,6 +69,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    make_public(tmp)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -1,0 +1,163 @@
+"""Pretraining batches from an indexed dataset: train/valid/test split by documents, T5 span corruption,
+an epoch-aware shuffled order, and a sampler that resumes at any `consumed_samples`.
+
+Determinism: global sample g (counted over all epochs) depends only on (seed, split, g). Its epoch is
+g // n and its chunk is permutation_epoch[g % n]; its noise comes from a generator seeded with
+(seed, split, g), so every epoch sees new noise, as in T5. The sampler hands rank r of dp the
+micro-batch slice [c + r*m, c + (r+1)*m) of each global batch starting at c, so the sequence of global
+batches is the same for every data-parallel size and resuming is just starting at c = consumed_samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from t5forge.data.indexed import DatasetError, IndexedDataset
+from t5forge.data.spans import SpanCorruption
+from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.errors import ConfigError
+
+SPLITS = ("train", "valid", "test")
+
+
+def split_documents(num_documents: int, ratios: tuple[float, ...]) -> list[tuple[int, int]]:
+    """Contiguous document ranges [begin, end) for train, valid, test in proportion to `ratios`
+    (Megatron's rule: boundaries at round(cumulative fraction x documents))."""
+    if len(ratios) != 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+        raise ConfigError(f"split ratios must be three non-negative numbers (train, valid, test), got {ratios}")
+    total = float(sum(ratios))
+    bounds = [0]
+    for r in ratios:
+        bounds.append(bounds[-1] + int(round(r / total * num_documents)))
+    bounds[-1] = num_documents
+    bounds = [min(b, num_documents) for b in bounds]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+class SpanCorruptionDataset(Dataset):
+    """Global sample index -> {"input_ids": [inputs_length], "labels": [targets_length]} (int64 numpy)."""
+
+    def __init__(self, indexed: IndexedDataset, corruption: SpanCorruption, documents: tuple[int, int],
+                 seed: int, split: str):
+        self.indexed, self.corruption, self.seed = indexed, corruption, seed
+        self.split_id = SPLITS.index(split)
+        first_seq = int(indexed.document_starts[documents[0]])
+        last_seq = int(indexed.document_starts[documents[1]])
+        # Documents of a split are consecutive sequences, stored back to back: one token range.
+        self.token_begin = int(indexed.offsets[first_seq])
+        token_end = int(indexed.offsets[last_seq])
+        self.num_chunks = (token_end - self.token_begin) // corruption.tokens_length
+        self.split = split
+        self._permutation: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        """Samples in one epoch (indices beyond it continue into later epochs)."""
+        return self.num_chunks
+
+    def _chunk_of(self, index: int) -> int:
+        epoch, position = divmod(index, self.num_chunks)
+        if self._permutation is None or self._permutation[0] != epoch:
+            rng = np.random.default_rng([self.seed, self.split_id, epoch, 0x5EED])
+            self._permutation = (epoch, rng.permutation(self.num_chunks))
+        return int(self._permutation[1][position])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if self.num_chunks == 0:
+            raise IndexError(f"the {self.split} split has no samples")
+        length = self.corruption.tokens_length
+        start = self.token_begin + self._chunk_of(index) * length
+        tokens = np.asarray(self.indexed.tokens[start:start + length], dtype=np.int64)
+        inputs, targets = self.corruption(tokens, np.random.default_rng([self.seed, self.split_id, index]))
+        return {"input_ids": inputs, "labels": targets}
+
+
+@dataclass
+class PretrainingData:
+    """The three splits of one indexed dataset, corrupted the same way."""
+
+    train: SpanCorruptionDataset
+    valid: SpanCorruptionDataset
+    test: SpanCorruptionDataset
+    tokenizer: T5Tokenizer
+    corruption: SpanCorruption
+
+
+def build_pretraining_data(
+    dataset_prefix: str | os.PathLike, tokenizer_dir: str | os.PathLike, inputs_length: int = 512,
+    noise_density: float = 0.15, mean_noise_span_length: float = 3.0,
+    split: tuple[float, float, float] = (0.98, 0.01, 0.01), seed: int = 1234,
+) -> PretrainingData:
+    tokenizer = T5Tokenizer(tokenizer_dir)
+    indexed = IndexedDataset(dataset_prefix)
+    corruption = SpanCorruption(
+        inputs_length=inputs_length, noise_density=noise_density, mean_noise_span_length=mean_noise_span_length,
+        eos_id=tokenizer.eos_id,
+        sentinel_ids=tuple(tokenizer.sentinel_id(i) for i in range(len(tokenizer.sentinel_ids))),
+    )
+    ranges = split_documents(indexed.num_documents, split)
+    datasets = {name: SpanCorruptionDataset(indexed, corruption, docs, seed, name)
+                for name, docs in zip(SPLITS, ranges)}
+    if len(datasets["train"]) == 0:
+        raise DatasetError(
+            f"{dataset_prefix} is too small: its train split has {indexed.num_tokens} tokens or fewer, and one "
+            f"sample needs {corruption.tokens_length} raw tokens (inputs_length {inputs_length}); use more text "
+            "or a shorter inputs_length")
+    return PretrainingData(**datasets, tokenizer=tokenizer, corruption=corruption)
+
+
+class PretrainingSampler(Sampler[list[int]]):
+    """Micro-batches of global sample indices for one data-parallel rank, from `consumed_samples` on.
+
+    Each global batch of micro_batch_size x dp_size samples is cut into dp_size consecutive slices;
+    rank r takes slice r. Stops after `total_samples` (None: never)."""
+
+    def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 total_samples: int | None = None):
+        if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"bad sampler shape: micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
+                              f"dp_size={dp_size}")
+        if consumed_samples % (micro_batch_size * dp_size):
+            raise ConfigError(
+                f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size x dp "
+                f"({micro_batch_size} x {dp_size}); resume from a step boundary")
+        self.consumed_samples, self.micro_batch_size = consumed_samples, micro_batch_size
+        self.dp_rank, self.dp_size, self.total_samples = dp_rank, dp_size, total_samples
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.dp_size
+        start = self.consumed_samples
+        while self.total_samples is None or start + step <= self.total_samples:
+            first = start + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+            start += step
+
+    def __len__(self) -> int:
+        if self.total_samples is None:
+            raise TypeError("an unbounded sampler has no length")
+        return max(0, (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size))
+
+
+def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack into int64 tensors; pretraining has no padding, so the attention mask is all ones."""
+    input_ids = torch.from_numpy(np.stack([s["input_ids"] for s in samples]))
+    labels = torch.from_numpy(np.stack([s["labels"] for s in samples]))
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def build_loader(
+    dataset: SpanCorruptionDataset, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
+    dp_size: int = 1, total_samples: int | None = None, num_workers: int = 2, prefetch_factor: int = 4,
+) -> DataLoader:
+    """Batches for one rank, resumable: a loader built with the same arguments and `consumed_samples`
+    yields exactly the batches an uninterrupted loader would have yielded from that point."""
+    sampler = PretrainingSampler(consumed_samples, micro_batch_size, dp_rank, dp_size, total_samples)
+    return DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None, persistent_workers=False,
+    )

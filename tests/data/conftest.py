@@ -1,0 +1,32 @@
+"""One corpus, tokenizer and indexed dataset per test process, built from the default corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from t5forge.data.corpus import write_python_docs
+from t5forge.data.preprocess import preprocess
+from t5forge.data.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "python-docs.txt"
+    write_python_docs(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(corpus_file, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_tokenizer([corpus_file], vocab_size=2000, output=path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset_prefix(corpus_file, tokenizer_dir, tmp_path_factory) -> Path:
+    prefix = tmp_path_factory.mktemp("ds") / "python-docs"
+    preprocess([corpus_file], tokenizer_dir, prefix)
+    return prefix
