@@ -128,6 +128,15 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from t5forge.bench.data import run_data_benchmark
+
+    result = run_data_benchmark(args.output_dir, args.work_dir)
+    print((Path(args.output_dir) / "data.md").read_text())
+    print(f"loader/training ratio {result['loader_to_training_ratio']:,.0f}x; wrote {args.output_dir}/data.json, data.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -178,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--skip-bad-lines", action="store_true",
                      help="skip lines that are not UTF-8 (or not JSON records) and count them")
     pre.set_defaults(func=cmd_preprocess)
+
+    bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
+    bench.add_argument("suite", choices=["data"], help="data: preprocessing, loader, loader vs training step")
+    bench.add_argument("--output-dir", default="benchmarks")
+    bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
