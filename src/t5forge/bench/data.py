@@ -98,7 +98,7 @@ def _training_step_rate(preset: str, micro_batch_size: int, inputs_length: int, 
 
 def run_data_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, vocab_size: int = 8000,
                        loader_batches: int = 40, train_micro_batches: tuple[int, ...] = (2, 4),
-                       train_steps: int = 2) -> dict:
+                       train_steps: int = 2, train_preset: str = "t5-base") -> dict:
     from t5forge.data.loader import build_pretraining_data
     from t5forge.data.preprocess import preprocess
     from t5forge.fileio import write_text_atomic
@@ -116,7 +116,7 @@ def run_data_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLik
     data = build_pretraining_data(work / "python-docs-w1", tokenizer, inputs_length=512)
     micro = 32  # t5-base pretraining micro-batch, 512 -> 114 tokens
     loader = [_loader_rate(data.train, micro, w, loader_batches) for w in (0, 2)]
-    training = [_training_step_rate("t5-base", m, 512, data.corruption.targets_length, train_steps)
+    training = [_training_step_rate(train_preset, m, 512, data.corruption.targets_length, train_steps)
                 for m in train_micro_batches]
     best_loader = max(r["samples_per_s"] for r in loader)
     fastest_training = max(t["samples_per_s"] for t in training)
@@ -172,7 +172,7 @@ def render_markdown(r: dict) -> str:
         "",
         "## Against a training step (same run, same machine)",
         "",
-        "fp32 CPU training steps of t5-base (forward + backward + AdamW on 512 -> 114 tokens), measured at "
+        f"fp32 CPU training steps of {r['training_steps'][0]['preset']} (forward + backward + AdamW on 512 -> 114 tokens), measured at "
         "small micro-batches (a step at 32 would take minutes on a CPU); the comparison uses the faster "
         "per-sample rate:",
         "",
