@@ -137,6 +137,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from t5forge.config import load_config
+    from t5forge.train.trainer import train
+
+    run = load_config(args.config, args.overrides)
+    trainer = train(run)
+    print(f"run directory: {trainer.run_dir}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from t5forge.train.evaluate import evaluate_run
+
+    result = evaluate_run(args.run_dir, split=args.split, samples=args.samples, checkpoint=args.checkpoint)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['checkpoint']}: {args.split} loss {result['loss']:.4f} perplexity {result['perplexity']:.2f} "
+              f"token accuracy {100 * result['accuracy']:.2f}% over {result['samples']} samples")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -187,6 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--skip-bad-lines", action="store_true",
                      help="skip lines that are not UTF-8 (or not JSON records) and count them")
     pre.set_defaults(func=cmd_preprocess)
+
+    train = sub.add_parser("train", help="pretrain a T5 on an indexed dataset",
+                           description="CONFIG is a YAML run config (see configs/); each key=value "
+                                       "(dotted, e.g. train.max_steps=100) overrides it.")
+    train.add_argument("config", metavar="CONFIG.yaml")
+    train.add_argument("overrides", nargs="*", metavar="key=value")
+    train.set_defaults(func=cmd_train)
+
+    evaluation = sub.add_parser("eval", help="validation/test loss, perplexity and token accuracy of a run")
+    evaluation.add_argument("run_dir", metavar="RUN_DIR")
+    evaluation.add_argument("--split", choices=["valid", "test"], default="valid")
+    evaluation.add_argument("--samples", type=int, help="samples to evaluate (default: train.eval_samples)")
+    evaluation.add_argument("--checkpoint", help="a checkpoint directory (default: the run's latest)")
+    evaluation.add_argument("--json", action="store_true")
+    evaluation.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("suite", choices=["data"], help="data: preprocessing, loader, loader vs training step")

@@ -160,4 +160,7 @@ def build_loader(
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers > 0 else None, persistent_workers=False,
+        # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG, which would
+        # shift the dropout stream of a resumed run (samples do not use torch's RNG at all).
+        generator=torch.Generator().manual_seed(0),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -53,10 +54,8 @@ def load_model_checkpoint(
     """Read the model of a DCP checkpoint directory (written by t5forge) into one process."""
     path = Path(path)
     config = config_from_hf(read_hf_config(path))
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # DCP raises pickle/IO errors of several types for a damaged .metadata
-        raise CheckpointError(f"cannot read {path / '.metadata'}: {e}; the checkpoint is incomplete or corrupt") from e
+    check_checkpoint_files(path)
+    metadata = FileSystemReader(path).read_metadata()
     shapes = {
         key.removeprefix(MODEL_PREFIX): meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -68,6 +67,136 @@ def load_model_checkpoint(
     try:
         with _single_process_dcp():
             dcp.load({"model": state}, checkpoint_id=path)
-    except Exception as e:  # as above: DCP's read errors have no common type
-        raise CheckpointError(f"cannot read the tensors of {path}: {e}; the checkpoint is incomplete or corrupt") from e
+    except Exception as e:  # DCP's read errors have no common type
+        raise CheckpointError(f"cannot read the tensors of {path}: {_last_line(e)}; the checkpoint is corrupt") from e
     return build_model(config, state, dtype=dtype, device=device, source=str(path)).eval()
+
+
+# -- training checkpoints ----------------------------------------------------------------------------------
+# RUN_DIR/checkpoints/step_00000120/ holds the DCP tensors (model, optimizer state, RNG states), the HF
+# model config.json, and trainer_state.json (step, consumed samples, scheduler, loss scaler, optimizer
+# hyper-parameters). Only tensors go through DCP: its loader unpickles non-tensor values, and a checkpoint
+# must never need unpickling. RUN_DIR/checkpoints/latest names the newest complete checkpoint; it is
+# written last, atomically, so a crash mid-save leaves the previous checkpoint in charge.
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
+    pointer = Path(checkpoints_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    target = Path(checkpoints_dir) / pointer.read_text(encoding="utf-8").strip()
+    if not (target / ".metadata").is_file():
+        raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint; "
+                              f"point it at another step_* directory or remove it")
+    return target
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"cuda_{i}"] = state
+    return states
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+def check_checkpoint_files(path: str | os.PathLike) -> None:
+    """Every data file the DCP metadata refers to exists and is long enough; else name the file."""
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # a damaged .metadata fails inside pickle or DCP with various types
+        raise CheckpointError(f"{path / '.metadata'} is corrupt ({_last_line(e)}); use another checkpoint") from e
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing; use another checkpoint")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"checkpoint file {file} is truncated ({file.stat().st_size} of {size} bytes); "
+                                  "use another checkpoint")
+
+
+def save_training_checkpoint(
+    checkpoints_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    trainer_state: dict, keep_last: int,
+) -> Path:
+    """Write checkpoint `step`, move the `latest` pointer to it, then delete all but the newest keep_last."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from t5forge.fileio import write_text_atomic
+
+    checkpoints_dir = Path(checkpoints_dir)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
+    state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
+    final = checkpoints_dir / checkpoint_name(step)
+    with atomic_directory(final) as staging:
+        with _single_process_dcp():
+            dcp.save(tensors, checkpoint_id=staging)
+        hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+    write_text_atomic(checkpoints_dir / LATEST, final.name + "\n")
+    for old in sorted(checkpoints_dir.glob("step_*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_training_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict:
+    """Restore model and optimizer in place from checkpoint `path`; return trainer_state, with the saved
+    RNG states under "rng" for the caller to apply with `set_rng_states` right before its next step
+    (anything that draws random numbers during set-up would otherwise shift them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    state_file = path / TRAINER_STATE
+    if not (path / ".metadata").is_file() or not state_file.is_file():
+        raise CheckpointError(f"{path} is not a t5forge training checkpoint (no .metadata or {TRAINER_STATE})")
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{state_file} is corrupt ({e}); resume from another checkpoint") from e
+    saved_config = config_from_hf(read_hf_config(path))
+    if saved_config.to_dict() != model.config.to_dict():
+        diff = {k: (v, model.config.to_dict()[k]) for k, v in saved_config.to_dict().items()
+                if model.config.to_dict()[k] != v}
+        raise CheckpointError(f"{path} holds a different model ({', '.join(f'{k}: {a} vs {b}' for k, (a, b) in diff.items())})"
+                              "; resume with the model config it was trained with")
+    check_checkpoint_files(path)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
+    try:
+        with _single_process_dcp():
+            dcp.load(tensors, checkpoint_id=path)
+    except Exception as e:  # DCP's read errors have no common type
+        raise CheckpointError(f"cannot read checkpoint {path}: {_last_line(e)}; it is incomplete or corrupt") from e
+    groups = state.pop("optimizer_param_groups")
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+    state["rng"] = tensors["rng"]
+    return state
+
+
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([states[f"cuda_{i}"] for i in range(torch.cuda.device_count())
+                                      if f"cuda_{i}" in states])

@@ -1,0 +1,216 @@
+"""Typed run configuration: dataclasses checked by OmegaConf, YAML files, dotted `key=value` overrides.
+
+Batch-size arithmetic lives here and nowhere else (`batch_arithmetic`)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from t5forge.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    preset: str | None = None  # a preset name (t5forge info lists them) ...
+    path: str | None = None  # ... or an HF model directory to start from
+    dropout_rate: float | None = None  # None: the architecture's own
+    overrides: dict[str, Any] = field(default_factory=dict)  # architecture fields, e.g. {num_layers: 4}
+
+
+@dataclass
+class DataConfig:
+    dataset: str = MISSING  # indexed dataset prefix (PREFIX.bin / PREFIX.idx)
+    tokenizer: str = MISSING  # tokenizer directory
+    inputs_length: int = 512
+    targets_length: int | None = None  # derived from the span-corruption arithmetic; checked if given
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
+    split: list[float] = field(default_factory=lambda: [0.98, 0.01, 0.01])  # train, valid, test documents
+    num_workers: int = 2
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = MISSING
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
+    max_steps: int | None = None  # give max_steps or max_samples
+    max_samples: int | None = None
+    seed: int = 1234
+    log_period: int = 10
+    eval_period: int = 100  # 0: evaluate only at the end
+    eval_samples: int = 256  # validation samples per evaluation (the same ones every time)
+    save_period: int = 500  # 0: save only at the end
+    keep_last: int = 3
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    export_hf: bool = True  # write RUN_DIR/hf at the end
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | adafactor
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # never applied to norm weights (nor to biases, which T5 does not have)
+    clip_grad_norm: float = 1.0  # 0: no clipping
+    schedule: str = "constant"  # constant | linear | cosine | inverse_sqrt (each after linear warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # floor of linear/cosine decay, as a fraction of lr
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)
+    initial_loss_scale: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+_CHOICES = {
+    "optim.name": ("adamw", "adafactor"),
+    "optim.schedule": ("constant", "linear", "cosine", "inverse_sqrt"),
+    "precision.dtype": ("fp32", "bf16", "fp16"),
+    "parallel.activation_checkpointing": ("none", "full", "selective"),
+}
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items() if isinstance(node, dict) else []:
+        name = f"{prefix}{k}"
+        keys.append(name)
+        if isinstance(v, dict) and k != "overrides":
+            keys += _all_keys(v, name + ".")
+    return keys
+
+
+def _valid_keys() -> list[str]:
+    return _all_keys(OmegaConf.to_container(OmegaConf.structured(RunConfig)))
+
+
+def _explain(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError):
+        close = difflib.get_close_matches(key, _valid_keys(), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(_valid_keys())}"
+        return ConfigError(f"{source}: unknown config key {key!r}{hint}")
+    if isinstance(e, ValidationError):
+        first_line = str(e).splitlines()[0]
+        return ConfigError(f"{source}: wrong type for {key!r}: {first_line}")
+    if isinstance(e, MissingMandatoryValue):
+        return ConfigError(f"{source}: {key} must be set (in the YAML file or as {key}=...)")
+    return ConfigError(f"{source}: {str(e).splitlines()[0]}")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Schema defaults, then the YAML file, then `key=value` overrides; validated and checked."""
+    config = OmegaConf.structured(RunConfig)
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            try:
+                config = OmegaConf.merge(config, OmegaConf.load(path))
+            except OmegaConfBaseException as e:
+                raise _explain(e, str(path)) from None
+            except Exception as e:  # yaml's parser errors
+                raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value (for example train.max_steps=100)")
+            try:
+                config = OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
+            except OmegaConfBaseException as e:
+                raise _explain(e, f"override {item!r}") from None
+        try:
+            run: RunConfig = OmegaConf.to_object(config)
+        except OmegaConfBaseException as e:
+            raise _explain(e, str(path or "config")) from None
+    except ConfigError:
+        raise
+    check_config(run)
+    return run
+
+
+def to_yaml(run: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(run))
+
+
+def config_as_dict(run: RunConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(run))
+
+
+def batch_arithmetic(global_batch_size: int | None, micro_batch_size: int, dp: int) -> tuple[int, int]:
+    """The one place where global = micro x dp x accumulation is resolved.
+    Returns (global_batch_size, gradient_accumulation_steps)."""
+    if micro_batch_size < 1 or dp < 1:
+        raise ConfigError(f"train.micro_batch_size ({micro_batch_size}) and parallel.dp ({dp}) must be >= 1")
+    per_step = micro_batch_size * dp
+    if global_batch_size is None:
+        return per_step, 1
+    if global_batch_size < 1 or global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({global_batch_size}) must be a multiple of train.micro_batch_size x "
+            f"parallel.dp = {micro_batch_size} x {dp} = {per_step}; for example global_batch_size="
+            f"{max(per_step, global_batch_size // per_step * per_step)}")
+    return global_batch_size, global_batch_size // per_step
+
+
+def check_config(run: RunConfig) -> None:
+    """Consistency checks that need no files: one message per problem, naming the key to change."""
+    for key, choices in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(run, section), name)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    m = run.model
+    if (m.preset is None) == (m.path is None):
+        raise ConfigError("set exactly one of model.preset (a preset name) and model.path (an HF model directory)")
+    t = run.train
+    if (t.max_steps is None) == (t.max_samples is None):
+        raise ConfigError("set exactly one of train.max_steps and train.max_samples")
+    for key in ("log_period", "eval_samples", "keep_last", "micro_batch_size"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    for key in ("eval_period", "save_period"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    batch_arithmetic(t.global_batch_size, t.micro_batch_size, run.parallel.dp)
+    o = run.optim
+    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or len(o.betas) != 2:
+        raise ConfigError("optim: lr must be > 0, warmup_steps >= 0, min_lr_ratio in [0, 1], betas two numbers")
+    p = run.parallel
+    if not 0 <= p.zero_stage <= 3:
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+    if min(p.dp, p.tp, p.pp) < 1:
+        raise ConfigError(f"parallel.dp, tp and pp must be >= 1, got {p.dp}, {p.tp}, {p.pp}")
+    if len(run.data.split) != 3:
+        raise ConfigError(f"data.split must be three numbers (train, valid, test), got {run.data.split}")

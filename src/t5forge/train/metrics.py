@@ -1,0 +1,200 @@
+"""Honest numbers: FLOPs per sample (one formula, shared with the benchmarks), peak FLOP/s of the device,
+MFU, memory, and the writers that report them (console line, metrics.jsonl, TensorBoard, loss-curve PNG).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from t5forge.models.t5 import T5Config
+
+
+def forward_flops_per_sample(config: T5Config, encoder_tokens: int, decoder_tokens: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one forward pass over one example.
+
+    Encoder and decoder tokens are counted separately; cross-attention projects K and V from the encoder
+    tokens; the LM head runs on decoder tokens. Attention scores count the full square (the causal half
+    is computed anyway), as Megatron and PaLM do. Norms, softmax and activations are left out."""
+    d, inner, d_ff = config.d_model, config.num_heads * config.d_kv, config.d_ff
+    ffn_mats = 3 if config.is_gated_act else 2
+    s, t = encoder_tokens, decoder_tokens
+
+    def attention(q_tokens: int, kv_tokens: int) -> int:
+        projections = 2 * q_tokens * d * inner * 2 + 2 * kv_tokens * d * inner * 2  # q, o  and  k, v
+        scores = 2 * 2 * q_tokens * kv_tokens * inner  # q.k^T and probabilities.v
+        return projections + scores
+
+    def ffn(tokens: int) -> int:
+        return 2 * tokens * d * d_ff * ffn_mats
+
+    encoder = config.num_layers * (attention(s, s) + ffn(s))
+    decoder = config.num_decoder_layers * (attention(t, t) + attention(t, s) + ffn(t))
+    head = 2 * t * d * config.vocab_size
+    return encoder + decoder + head
+
+
+def training_flops_per_sample(config: T5Config, encoder_tokens: int, decoder_tokens: int) -> int:
+    """Model FLOPs of a training step per example: forward + backward (twice the forward). Activation
+    recomputation is not counted: MFU measures useful work (PaLM's definition)."""
+    return 3 * forward_flops_per_sample(config, encoder_tokens, decoder_tokens)
+
+
+# Dense peak FLOP/s without sparsity, from the vendors' data sheets.
+_GPU_PEAKS = {  # name fragment (first match wins): (bf16/fp16 tensor cores, fp32, tf32)
+    "H200": (989e12, 67e12, 494e12), "H100 PCIe": (756e12, 51e12, 378e12), "H100": (989e12, 67e12, 494e12),
+    "A100": (312e12, 19.5e12, 156e12), "A10G": (125e12, 31.2e12, 62.5e12), "L40S": (362e12, 91.6e12, 183e12),
+    "L4": (121e12, 30.3e12, 60e12), "V100": (125e12, 15.7e12, 15.7e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
+    "RTX 3090": (71e12, 35.6e12, 35.6e12), "T4": (65e12, 8.1e12, 8.1e12),
+}
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of the best of a few square matmuls on this CPU: the practical peak to compare against."""
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
+    a = torch.randn(size, size, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, dtype=dtype, generator=generator)
+    torch.matmul(a, b)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s, where the number comes from) for the compute dtype on this device."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, (half, fp32, tf32) in _GPU_PEAKS.items():
+            if fragment in name:
+                if dtype != torch.float32:
+                    return half, f"data sheet ({name})"
+                uses_tf32 = torch.get_float32_matmul_precision() != "highest"
+                return (tf32 if uses_tf32 else fp32), f"data sheet ({name}, {'tf32' if uses_tf32 else 'fp32'})"
+        return math.nan, f"unknown GPU {name}: no MFU"
+    return measure_cpu_peak_flops(dtype), "measured CPU matmul"
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the peak resident set of this process on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 1024 if sys.platform != "darwin" else kib / 2**20
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{days}d " if days else "") + f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+@dataclass
+class StepMetrics:
+    iteration: int
+    max_steps: int
+    consumed_samples: int
+    loss: float
+    lr: float
+    time_s: float  # wall seconds per iteration, averaged over the log period
+    data_time_s: float  # of which waiting for data
+    samples_per_s: float
+    tokens_per_s: float  # encoder + decoder tokens
+    tflops: float  # achieved model TFLOP/s
+    mfu: float  # fraction of peak
+    mem_mib: float
+    skipped_steps: int
+    eta_s: float
+
+    def line(self) -> str:
+        mfu = f"{100 * self.mfu:.1f}%" if math.isfinite(self.mfu) else "n/a"
+        return (f"iteration: {self.iteration}/{self.max_steps} consumed_samples: {self.consumed_samples} "
+                f"loss: {self.loss:.3f} time: {self.time_s:.3f} s/iter data_time: {self.data_time_s:.3f} s/iter "
+                f"throughput: {self.samples_per_s:.1f} samples/s tokens/s: {self.tokens_per_s:.0f} "
+                f"tflops: {self.tflops:.2f} mfu: {mfu} mem: {self.mem_mib:.0f} MiB lr: {self.lr:.1e} "
+                f"eta: {format_eta(self.eta_s)}"
+                + (f" skipped_steps: {self.skipped_steps}" if self.skipped_steps else ""))
+
+    def record(self) -> dict:
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "loss": self.loss,
+                "lr": self.lr, "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+                "tflops": self.tflops, "mfu": self.mfu if math.isfinite(self.mfu) else None,
+                "mem_mib": self.mem_mib, "time_s": self.time_s, "data_time_s": self.data_time_s,
+                "skipped_steps": self.skipped_steps}
+
+
+class MetricsWriter:
+    """Appends records to RUN_DIR/metrics.jsonl and writes TensorBoard scalars; prints lines."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print):
+        self.path = run_dir / "metrics.jsonl"
+        self.echo = echo
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, record: dict, line: str | None = None) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = record["iteration"]
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(key, value, step)
+        if line is not None:
+            self.echo(line)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
+    """Train and valid loss against iteration, as a PNG. None when there is nothing to plot."""
+    records = read_metrics(metrics_path)
+    train = [(r["iteration"], r["loss"]) for r in records if "loss" in r]
+    valid = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
+    if not train and not valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="valid loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = output.with_name(f".{output.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, output)
+    return output

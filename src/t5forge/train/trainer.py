@@ -1,0 +1,448 @@
+"""The training loop, composed from the pieces: data -> model (+ activation checkpointing) -> optimizer
+step -> hooks (logging, evaluation, checkpointing). One process is the 1 x 1 x 1 mesh.
+
+Loss normalisation: each micro-batch contributes its summed token cross-entropy divided by the number
+of target tokens in the whole global batch, so the step's gradient is that of the mean over all tokens
+of the global batch, whatever the micro-batch size or accumulation (TorchTitan's rule)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from t5forge.config import RunConfig, batch_arithmetic, config_as_dict, load_config, to_yaml
+from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
+from t5forge.errors import CheckpointError, ConfigError
+from t5forge.fileio import write_text_atomic
+from t5forge.models.hf import from_pretrained
+from t5forge.models.presets import get_preset
+from t5forge.models.summary import human_count, summarize
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.parallel.activation_checkpoint import apply_ac
+from t5forge.train import checkpoint as ckpt
+from t5forge.train.metrics import (
+    MetricsWriter, StepMetrics, peak_flops, peak_memory_mib, plot_loss_curve, training_flops_per_sample,
+)
+from t5forge.train.optim import build_grad_scaler, build_optimizer, build_scheduler
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Keys that may change when a run is resumed; any other difference means another run.
+_RESUMABLE_CHANGES = {"train.max_steps", "train.max_samples", "train.log_period", "train.eval_period",
+                      "train.eval_samples", "train.save_period", "train.keep_last", "train.resume",
+                      "train.export_hf", "data.num_workers"}
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0
+    losses: list[float] = field(default_factory=list)  # train loss of every step of this process
+
+
+# -- building blocks -------------------------------------------------------------------------------------
+def build_model_config(run: RunConfig) -> T5Config:
+    m = run.model
+    if m.path is not None:
+        from t5forge.models.hf import config_from_hf, read_hf_config
+
+        base = config_from_hf(read_hf_config(m.path))
+    else:
+        base = get_preset(m.preset)
+    values = {**base.to_dict(), **dict(m.overrides)}
+    if m.dropout_rate is not None:
+        values["dropout_rate"] = m.dropout_rate
+    unknown = set(m.overrides) - set(base.to_dict())
+    if unknown:
+        raise ConfigError(f"model.overrides has unknown architecture fields {sorted(unknown)}; "
+                          f"valid: {sorted(base.to_dict())}")
+    if "tie_word_embeddings" in m.overrides and "scale_decoder_outputs" not in m.overrides:
+        values["scale_decoder_outputs"] = values["tie_word_embeddings"]
+    return T5Config(**values, extra=base.extra)
+
+
+def build_model(run: RunConfig, config: T5Config, device: torch.device) -> T5ForConditionalGeneration:
+    """From an HF directory (its weights, cast to fp32 master weights) or initialised from scratch."""
+    if run.model.path is not None:
+        loaded = from_pretrained(run.model.path, dtype=torch.float32, device=device)
+        # The weights decide whether the head is tied; overrides may change only what has no weights.
+        config = T5Config(**{**config.to_dict(), "tie_word_embeddings": loaded.config.tie_word_embeddings},
+                          extra=config.extra)
+        if loaded.config.to_dict() == config.to_dict():
+            return loaded
+        with torch.device("meta"):
+            model = T5ForConditionalGeneration(config)
+        try:
+            model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+        except RuntimeError as e:
+            raise ConfigError(f"model.overrides change the shapes of the weights in {run.model.path}: "
+                              f"{str(e).splitlines()[-1].strip()}; only shape-free fields such as dropout_rate "
+                              "can be overridden when starting from a checkpoint") from None
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.shared.weight
+        return model
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.shared.weight
+    model.init_weights(torch.Generator(device="cpu").manual_seed(run.train.seed))
+    return model
+
+
+def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, number of target tokens, number predicted correctly), labels -100 ignored."""
+    flat_logits = logits.reshape(-1, logits.size(-1)).float()
+    flat_labels = labels.reshape(-1)
+    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    valid = flat_labels != -100
+    correct = ((flat_logits.argmax(-1) == flat_labels) & valid).sum()
+    return loss_sum, valid.sum(), correct
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
+
+
+@torch.no_grad()
+def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, samples: int,
+             device: torch.device, precision: str = "fp32", num_workers: int = 0) -> dict[str, float]:
+    """Loss, perplexity and token accuracy over the first `samples` samples of `dataset` (a fixed set)."""
+    samples = min(samples, len(dataset))
+    if samples == 0:
+        raise ConfigError(f"the {dataset.split} split has no samples; give it a larger share in data.split")
+    batch_size = min(micro_batch_size, samples)
+    loader = build_loader(dataset, batch_size, total_samples=samples // batch_size * batch_size,
+                          num_workers=num_workers)
+    was_training = model.training
+    model.eval()
+    loss, tokens, correct = 0.0, 0, 0
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast(device, precision):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           decoder_input_ids=model.shift_right(batch["labels"])).logits
+        s, n, c = token_loss_sums(logits, batch["labels"])
+        loss, tokens, correct = loss + s.item(), tokens + int(n), correct + int(c)
+    model.train(was_training)
+    mean = loss / tokens
+    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "accuracy": correct / tokens}
+
+
+# -- hooks -----------------------------------------------------------------------------------------------
+class Trainer:
+    """Holds what the loop and its hooks share. `run()` trains to max_steps."""
+
+    def __init__(self, run: RunConfig, echo=print):
+        self.run, self.echo = run, echo
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.run_dir = Path(run.train.output_dir)
+        self.checkpoints_dir = self.run_dir / "checkpoints"
+        self.global_batch_size, self.accumulation = batch_arithmetic(
+            run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
+        self._check_world()
+        self.model_config = build_model_config(run)  # cheap checks first: no data is read before them
+        resume_from = self._resume_point()
+
+        torch.manual_seed(run.train.seed)
+        d = run.data
+        self.data: PretrainingData = build_pretraining_data(
+            d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
+            mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
+        self.targets_length = self.data.corruption.targets_length
+        if d.targets_length is not None and d.targets_length != self.targets_length:
+            raise ConfigError(
+                f"data.targets_length={d.targets_length} does not follow from inputs_length={d.inputs_length}, "
+                f"noise_density={d.noise_density}, mean_noise_span_length={d.mean_noise_span_length}: span "
+                f"corruption of {self.data.corruption.tokens_length} raw tokens gives {self.targets_length} targets; "
+                "remove data.targets_length or set it to that")
+        if self.data.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.data.tokenizer.vocab_size} ids but the model's vocab_size is "
+                f"{self.model_config.vocab_size}; set model.overrides.vocab_size to at least "
+                f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
+        self.model = apply_ac(build_model(run, self.model_config, self.device), run.parallel.activation_checkpointing)
+        self.model.train()
+        self.max_steps = run.train.max_steps or run.train.max_samples // self.global_batch_size
+        if self.max_steps < 1:
+            raise ConfigError(f"train.max_samples={run.train.max_samples} is less than one global batch "
+                              f"({self.global_batch_size}); raise it")
+        self.optimizer = build_optimizer(self.model, run.optim)
+        self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
+        self.scaler = build_grad_scaler(run.precision, self.device)
+        self.state = TrainState()
+        self._rng_to_restore: dict | None = None
+        if resume_from is not None:
+            self._restore(resume_from)
+        self.flops_per_sample = training_flops_per_sample(self.model_config, d.inputs_length, self.targets_length)
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def _check_world(self) -> None:
+        p = self.run.parallel
+        if p.dp * p.tp * p.pp != 1:
+            raise ConfigError(
+                f"parallel.dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp} processes, but this is "
+                "a single process; set parallel.dp=1 parallel.tp=1 parallel.pp=1")
+        if p.zero_stage != 0 or p.sequence_parallel:
+            raise ConfigError("parallel.zero_stage and parallel.sequence_parallel shard work across processes; "
+                              "a single process has nothing to shard: set parallel.zero_stage=0 "
+                              "parallel.sequence_parallel=false")
+
+    def _resume_point(self) -> Path | None:
+        resume = self.run.train.resume
+        latest = ckpt.latest_checkpoint(self.checkpoints_dir) if self.checkpoints_dir.is_dir() else None
+        has_checkpoints = latest is not None or any(self.checkpoints_dir.glob("step_*"))
+        if resume == "never":
+            if has_checkpoints:
+                raise ConfigError(f"{self.checkpoints_dir} already holds checkpoints and train.resume=never would "
+                                  "overwrite them; choose a new train.output_dir or set train.resume=auto")
+            return None
+        if resume == "auto":
+            if latest is None:
+                return None
+            self._check_same_run()
+            return latest
+        path = Path(resume)
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"train.resume={resume} is not a checkpoint directory (no .metadata); "
+                                  "use auto, never, or a step_* directory")
+        return path
+
+    def _check_same_run(self) -> None:
+        saved = self.run_dir / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"{self.checkpoints_dir} holds checkpoints but {saved} is missing, so they cannot be "
+                              "matched to this run; set train.resume to a checkpoint path or use a new output_dir")
+        previous = config_as_dict(load_config(saved))
+        current = config_as_dict(self.run)
+        differences = []
+        for section, values in current.items():
+            for key, value in values.items():
+                name = f"{section}.{key}"
+                if name not in _RESUMABLE_CHANGES and previous[section].get(key) != value:
+                    differences.append(f"{name}: {previous[section].get(key)!r} -> {value!r}")
+        if differences:
+            raise ConfigError(
+                f"{self.run_dir} holds checkpoints of another run ({'; '.join(differences)}); use a new "
+                "train.output_dir, or set train.resume to one of its checkpoints explicitly")
+
+    def _restore(self, path: Path) -> None:
+        state = ckpt.load_training_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.state.step = state["step"]
+        self.state.consumed_samples = state["consumed_samples"]
+        self.state.skipped_steps = state["skipped_steps"]
+        self._rng_to_restore = state["rng"]
+        self.echo(f"resumed from {path} at iteration {self.state.step}, consumed_samples {self.state.consumed_samples}")
+
+    def save(self) -> Path:
+        trainer_state = {"consumed_samples": self.state.consumed_samples, "skipped_steps": self.state.skipped_steps,
+                         "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+        return ckpt.save_training_checkpoint(self.checkpoints_dir, self.state.step, self.model, self.optimizer,
+                                             trainer_state, self.run.train.keep_last)
+
+    def describe(self) -> None:
+        s = summarize(self.model_config)
+        memory = s.training_gib(mixed_precision=self.run.precision.dtype != "fp32")
+        name = self.run.model.preset or self.run.model.path
+        self.echo(f"model: {name} ({s.variant}), {human_count(s.parameters)} parameters: encoder "
+                  f"{human_count(s.encoder)}, decoder {human_count(s.decoder)}, embedding {human_count(s.embedding)}"
+                  f", lm_head {human_count(s.lm_head)}")
+        self.echo("model state memory: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in memory.items())
+                  + " (activations not included)")
+        self.echo(f"batch: global {self.global_batch_size} = micro {self.run.train.micro_batch_size} x dp "
+                  f"{self.run.parallel.dp} x accumulation {self.accumulation}; {self.run.data.inputs_length} -> "
+                  f"{self.targets_length} tokens; {self.max_steps} steps; {len(self.data.train)} training samples "
+                  f"per epoch; device {self.device}, {self.run.precision.dtype}")
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """One optimizer step over the micro-batches of a global batch; returns the global-batch loss."""
+        tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with autocast(self.device, self.run.precision.dtype):
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    decoder_input_ids=self.model.shift_right(batch["labels"])).logits
+            loss_sum, _, _ = token_loss_sums(logits, batch["labels"])
+            self.scaler.scale(loss_sum / tokens).backward()
+            total += loss_sum.detach()
+        self.scaler.unscale_(self.optimizer)
+        if self.run.optim.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.run.optim.clip_grad_norm)
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.scaler.is_enabled() and self.scaler.get_scale() < scale_before:
+            self.state.skipped_steps += 1  # inf/NaN gradients: the step was skipped and the scale backed off
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item() / tokens
+
+    def run_training(self, hooks: list | None = None) -> TrainState:
+        hooks = hooks if hooks is not None else default_hooks(self)
+        for hook in hooks:
+            hook.before_train()
+        loader = iter(build_loader(self.data.train, self.run.train.micro_batch_size, self.state.consumed_samples,
+                                   total_samples=None, num_workers=self.run.data.num_workers))
+        if self._rng_to_restore is not None:  # last, so that nothing in set-up shifts the dropout stream
+            ckpt.set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+        while self.state.step < self.max_steps:
+            start = time.perf_counter()
+            micro_batches = [next(loader) for _ in range(self.accumulation)]
+            data_time = time.perf_counter() - start
+            loss = self.train_step(micro_batches)
+            self.state.step += 1
+            self.state.consumed_samples += self.global_batch_size
+            self.state.losses.append(loss)
+            for hook in hooks:
+                hook.after_step(loss, time.perf_counter() - start, data_time)
+        for hook in hooks:
+            hook.after_train()
+        return self.state
+
+
+class Hook:
+    def before_train(self) -> None: ...
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None: ...
+    def after_train(self) -> None: ...
+
+
+class LogHook(Hook):
+    """One line (and one metrics.jsonl record) per log period: averages over the period."""
+
+    def __init__(self, trainer: Trainer, writer: MetricsWriter):
+        self.t, self.writer = trainer, writer
+        self.period_losses: list[float] = []
+        self.period_time = self.period_data_time = 0.0
+        self.step_times: list[float] = []
+
+    def before_train(self) -> None:
+        self.t.describe()
+        peak, source = peak_flops(self.t.device, COMPUTE_DTYPES[self.t.run.precision.dtype])
+        self.peak = peak
+        self.t.echo(f"peak: {peak / 1e12:.2f} TFLOP/s ({source}); model FLOPs per sample "
+                    f"{self.t.flops_per_sample / 1e9:.2f} GFLOP (forward + backward)")
+
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+        t = self.t
+        self.period_losses.append(loss)
+        self.period_time += step_time
+        self.period_data_time += data_time
+        self.step_times.append(step_time)
+        if t.state.step % t.run.train.log_period and t.state.step != t.max_steps:
+            return
+        steps = len(self.period_losses)
+        per_iter = self.period_time / steps
+        samples_per_s = t.global_batch_size / per_iter
+        tokens_per_sample = t.run.data.inputs_length + t.targets_length
+        tflops = samples_per_s * t.flops_per_sample / 1e12
+        # ETA from the measured average step time (the first step, which builds workers, excluded).
+        recent = self.step_times[1:] or self.step_times
+        metrics = StepMetrics(
+            iteration=t.state.step, max_steps=t.max_steps, consumed_samples=t.state.consumed_samples,
+            loss=sum(self.period_losses) / steps, lr=t.scheduler.get_last_lr()[0], time_s=per_iter,
+            data_time_s=self.period_data_time / steps, samples_per_s=samples_per_s,
+            tokens_per_s=samples_per_s * tokens_per_sample, tflops=tflops, mfu=tflops * 1e12 / self.peak,
+            mem_mib=peak_memory_mib(t.device), skipped_steps=t.state.skipped_steps,
+            eta_s=(t.max_steps - t.state.step) * sum(recent) / len(recent))
+        self.writer.write(metrics.record(), metrics.line())
+        self.period_losses, self.period_time, self.period_data_time = [], 0.0, 0.0
+
+
+class EvalHook(Hook):
+    def __init__(self, trainer: Trainer, writer: MetricsWriter):
+        self.t, self.writer = trainer, writer
+        self.last_step = -1
+
+    def evaluate(self) -> None:
+        t = self.t
+        if self.last_step == t.state.step:
+            return
+        result = evaluate(t.model, t.data.valid, t.run.train.micro_batch_size, t.run.train.eval_samples, t.device,
+                          t.run.precision.dtype)
+        self.last_step = t.state.step
+        self.writer.write(
+            {"iteration": t.state.step, "consumed_samples": t.state.consumed_samples, "valid_loss": result["loss"],
+             "valid_perplexity": result["perplexity"], "valid_accuracy": result["accuracy"]},
+            f"validation at iteration {t.state.step}: loss {result['loss']:.3f} perplexity "
+            f"{result['perplexity']:.1f} token accuracy {100 * result['accuracy']:.1f}%")
+
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+        period = self.t.run.train.eval_period
+        if period and self.t.state.step % period == 0:
+            self.evaluate()
+
+    def after_train(self) -> None:
+        self.evaluate()
+
+
+class CheckpointHook(Hook):
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+        self.last_step = -1
+
+    def save(self) -> None:
+        if self.last_step != self.t.state.step:
+            path = self.t.save()
+            self.last_step = self.t.state.step
+            self.t.echo(f"saved checkpoint {path}")
+
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+        period = self.t.run.train.save_period
+        if period and self.t.state.step % period == 0:
+            self.save()
+
+    def after_train(self) -> None:
+        self.save()
+        if self.t.run.train.export_hf:
+            from t5forge.fileio import atomic_directory
+
+            target = self.t.run_dir / "hf"
+            if target.exists():
+                import shutil
+
+                shutil.rmtree(target)
+            with atomic_directory(target) as staging:
+                self.t.model.save_pretrained(staging)
+                for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                    source = Path(self.t.run.data.tokenizer) / name
+                    if source.is_file():
+                        (staging / name).write_bytes(source.read_bytes())
+            self.t.echo(f"exported HF model and tokenizer to {target}")
+
+
+class PlotHook(Hook):
+    def __init__(self, trainer: Trainer, writer: MetricsWriter):
+        self.t, self.writer = trainer, writer
+
+    def after_train(self) -> None:
+        self.writer.close()
+        png = plot_loss_curve(self.writer.path, self.t.run_dir / "loss_curve.png")
+        if png is not None:
+            self.t.echo(f"loss curve: {png}")
+
+
+def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
+    writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo)
+    # Order matters at the end: evaluate, then save and export, then plot what was logged.
+    return [LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer), PlotHook(trainer, writer)]
+
+
+def train(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
+    trainer = Trainer(run, echo=echo)
+    trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(trainer.run_dir / "config.yaml", to_yaml(run))
+    trainer.run_training(default_hooks(trainer, tensorboard=tensorboard))
+    return trainer
