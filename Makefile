@@ -20,7 +20,6 @@ test: $(INSTALLED)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -q tests
 
 demo: $(INSTALLED)
-	$(VENV)/bin/t5forge info t5-v1_1-small
 	$(PY) scripts/demo.py
 
 clean:

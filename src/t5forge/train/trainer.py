@@ -144,6 +144,10 @@ class Trainer:
     def __init__(self, run: RunConfig, echo=print):
         self.run, self.echo = run, echo
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and
+            # are ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
+            torch.set_flush_denormal(True)
         self.run_dir = Path(run.train.output_dir)
         self.checkpoints_dir = self.run_dir / "checkpoints"
         self.global_batch_size, self.accumulation = batch_arithmetic(
