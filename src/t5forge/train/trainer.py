@@ -289,7 +289,8 @@ class Trainer:
         self.scaler.update()
         if self.scaler.is_enabled() and self.scaler.get_scale() < scale_before:
             self.state.skipped_steps += 1  # inf/NaN gradients: the step was skipped and the scale backed off
-        self.scheduler.step()
+        else:
+            self.scheduler.step()  # as Megatron: a skipped update does not advance the schedule
         self.optimizer.zero_grad(set_to_none=True)
         return total.item() / tokens
 
