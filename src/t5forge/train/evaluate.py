@@ -32,4 +32,4 @@ def evaluate_run(run_dir: str | os.PathLike, split: str = "valid", samples: int 
     dataset = data.valid if split == "valid" else data.test
     count = min(samples or run.train.eval_samples, len(dataset))
     result = evaluate(model, dataset, run.train.micro_batch_size, count, device, run.precision.dtype)
-    return {**result, "split": split, "samples": count, "checkpoint": str(path)}
+    return {**result, "split": split, "checkpoint": str(path)}

@@ -134,12 +134,12 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
         loss, tokens, correct = loss + s.item(), tokens + int(n), correct + int(c)
     model.train(was_training)
     mean = loss / tokens
-    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "accuracy": correct / tokens}
+    return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "accuracy": correct / tokens,
+            "samples": samples // batch_size * batch_size, "tokens": tokens}
 
 
-# -- hooks -----------------------------------------------------------------------------------------------
 class Trainer:
-    """Holds what the loop and its hooks share. `run()` trains to max_steps."""
+    """Holds what the loop and its hooks share; `run_training()` trains to max_steps."""
 
     def __init__(self, run: RunConfig, echo=print):
         self.run, self.echo = run, echo
@@ -318,6 +318,7 @@ class Trainer:
         return self.state
 
 
+# -- hooks -----------------------------------------------------------------------------------------------
 class Hook:
     def before_train(self) -> None: ...
     def after_step(self, loss: float, step_time: float, data_time: float) -> None: ...
