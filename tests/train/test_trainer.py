@@ -179,7 +179,7 @@ def test_bad_runs_are_refused_before_training(tmp_path, dataset_prefix, tokenize
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "model.overrides.vocab_size=1000"))
     with pytest.raises(ConfigError, match="targets_length=20 does not follow"):
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "data.targets_length=20"))
-    with pytest.raises(ConfigError, match="single process"):
+    with pytest.raises(ConfigError, match=r"dp x tp x pp = 2 x 1 x 1 = 2, but 1 process\(es\) are running"):
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "parallel.dp=2"))
     with pytest.raises(Exception, match="does not exist"):
         Trainer(run_config(tmp_path, tmp_path / "nope", tokenizer_dir))

@@ -206,7 +206,8 @@ class T5Attention(nn.Module):
         source = hidden_states if key_value_states is None else key_value_states
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [b, len, h*d] -> [b, h, len, d]
-            return x.view(batch, -1, self.n_heads, self.d_kv).transpose(1, 2)
+            # The head count comes from the tensor: under tensor parallelism a rank holds h / tp heads.
+            return x.view(batch, x.shape[1], -1, self.d_kv).transpose(1, 2)
 
         query, key, value = heads(self.q(hidden_states)), heads(self.k(source)), heads(self.v(source))
         if attn_bias is not None:
@@ -215,7 +216,7 @@ class T5Attention(nn.Module):
             query, key, value, attn_mask=attn_bias,
             dropout_p=self.dropout if self.training else 0.0, scale=1.0,
         )
-        out = out.transpose(1, 2).reshape(batch, q_len, self.n_heads * self.d_kv)
+        out = out.transpose(1, 2).reshape(batch, q_len, -1)
         return self.o(out)
 
 

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -98,11 +99,19 @@ def latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
-    states = {"torch_cpu": torch.get_rng_state()}
+    """This rank's RNG states, under keys unique to the rank (every rank saves its own)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    states = {f"rank{rank}_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            states[f"cuda_{i}"] = state
+        states[f"rank{rank}_cuda"] = torch.cuda.get_rng_state()
     return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_rng_state(states[f"rank{rank}_cpu"])
+    if torch.cuda.is_available() and f"rank{rank}_cuda" in states:
+        torch.cuda.set_rng_state(states[f"rank{rank}_cuda"])
 
 
 def _last_line(error: Exception) -> str:
@@ -133,34 +142,56 @@ def save_training_checkpoint(
     checkpoints_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     trainer_state: dict, keep_last: int,
 ) -> Path:
-    """Write checkpoint `step`, move the `latest` pointer to it, then delete all but the newest keep_last."""
+    """Write checkpoint `step` from every rank of any layout (DCP stores each shard once, with its global
+    position), then, on rank 0, move the `latest` pointer to it and delete all but the newest keep_last.
+    The checkpoint is written under a temporary name and renamed when complete."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from t5forge.fileio import write_text_atomic
+    from t5forge.fileio import make_public, write_text_atomic
 
     checkpoints_dir = Path(checkpoints_dir)
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    final = checkpoints_dir / checkpoint_name(step)
+    staging = checkpoints_dir / f".{final.name}.tmp"  # the same name on every rank
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        make_public(staging)
+    _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
-    state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
-    final = checkpoints_dir / checkpoint_name(step)
-    with atomic_directory(final) as staging:
-        with _single_process_dcp():
-            dcp.save(tensors, checkpoint_id=staging)
-        hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
+    with _single_process_dcp():
+        dcp.save(tensors, checkpoint_id=staging)
+    if main:
+        state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
+        hf = config_to_hf(model.config, dtype=_dtype_of(model))
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-    write_text_atomic(checkpoints_dir / LATEST, final.name + "\n")
-    for old in sorted(checkpoints_dir.glob("step_*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        write_text_atomic(checkpoints_dir / LATEST, final.name + "\n")
+        for old in sorted(checkpoints_dir.glob("step_*"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
 
 
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
 def load_training_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: dict | None = None
 ) -> dict:
-    """Restore model and optimizer in place from checkpoint `path`; return trainer_state, with the saved
-    RNG states under "rng" for the caller to apply with `set_rng_states` right before its next step
-    (anything that draws random numbers during set-up would otherwise shift them)."""
+    """Restore model and optimizer in place from checkpoint `path` (written by any layout: DCP reshards);
+    return trainer_state. When the checkpoint's recorded `layout` equals `layout`, the saved RNG states
+    come back under "rng" (else None), for the caller to apply with `set_rng_states` right before its
+    next step (anything that draws random numbers during set-up would otherwise shift them)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
@@ -179,7 +210,9 @@ def load_training_checkpoint(
                               "; resume with the model config it was trained with")
     check_checkpoint_files(path)
     model_state, optim_state = get_state_dict(model, optimizer)
-    tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
+    tensors = {"model": model_state, "optimizer": optim_state["state"]}
+    if state.get("layout") == layout:  # RNG streams belong to ranks; after resharding they start afresh
+        tensors["rng"] = _rng_tensors()
     try:
         with _single_process_dcp():
             dcp.load(tensors, checkpoint_id=path)
@@ -191,12 +224,6 @@ def load_training_checkpoint(
             group["betas"] = tuple(group["betas"])
     set_state_dict(model, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
-    state["rng"] = tensors["rng"]
+    state["rng"] = tensors.get("rng")
     return state
 
-
-def set_rng_states(states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["torch_cpu"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([states[f"cuda_{i}"] for i in range(torch.cuda.device_count())
-                                      if f"cuda_{i}" in states])

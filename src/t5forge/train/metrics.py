@@ -140,16 +140,20 @@ class StepMetrics:
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl and writes TensorBoard scalars; prints lines."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print, enabled: bool = True):
+        """enabled=False (ranks other than 0): write and print nothing."""
         self.path = run_dir / "metrics.jsonl"
         self.echo = echo
+        self.enabled = enabled
         self.tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def write(self, record: dict, line: str | None = None) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:

@@ -1,20 +1,28 @@
-"""The training loop, composed from the pieces: data -> model (+ activation checkpointing) -> optimizer
-step -> hooks (logging, evaluation, checkpointing). One process is the 1 x 1 x 1 mesh.
+"""The training loop, composed from the pieces: data -> model on a (pp, dp, tp) mesh -> optimizer step ->
+hooks (logging, evaluation, checkpointing). One process is the 1 x 1 x 1 mesh, through the same code.
+
+Parallelism is applied to the plain model in one fixed order (TorchTitan's): tensor parallel ->
+activation checkpointing -> data parallel / ZeRO.
 
 Loss normalisation: each micro-batch contributes its summed token cross-entropy divided by the number
-of target tokens in the whole global batch, so the step's gradient is that of the mean over all tokens
-of the global batch, whatever the micro-batch size or accumulation (TorchTitan's rule)."""
+of target tokens in the whole global batch (all dp ranks, all micro-batches), so the step's gradient is
+that of the mean over all tokens of the global batch, whatever the layout, micro-batch size or
+accumulation (TorchTitan's rule). Gradients are averaged over dp, so the loss is multiplied by dp."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from t5forge.config import RunConfig, batch_arithmetic, config_as_dict, load_config, to_yaml
 from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
@@ -24,12 +32,16 @@ from t5forge.models.hf import from_pretrained
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.parallel.activation_checkpoint import apply_ac
+from t5forge.parallel.data_parallel import Zero1Partition, all_reduce_gradients, apply_fsdp, unique_parameters
+from t5forge.parallel.mesh import Mesh, build_mesh, check_layout, world_size_from_env
+from t5forge.parallel.tensor_parallel import apply_tp
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
     MetricsWriter, StepMetrics, peak_flops, peak_memory_mib, plot_loss_curve, training_flops_per_sample,
 )
-from t5forge.train.optim import build_grad_scaler, build_optimizer, build_scheduler
+from t5forge.train.optim import LossScaler, build_optimizer, build_scheduler, clip_grad_norm
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Keys that may change when a run is resumed; any other difference means another run.
@@ -96,14 +108,24 @@ def build_model(run: RunConfig, config: T5Config, device: torch.device) -> T5For
     return model
 
 
-def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy, number of target tokens, number predicted correctly), labels -100 ignored."""
-    flat_logits = logits.reshape(-1, logits.size(-1)).float()
-    flat_labels = labels.reshape(-1)
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
-    valid = flat_labels != -100
-    correct = ((flat_logits.argmax(-1) == flat_labels) & valid).sum()
-    return loss_sum, valid.sum(), correct
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over labels != -100. With vocab-parallel logits (a DTensor sharded on the
+    vocabulary) call it under `loss_parallel()`: the softmax is then computed without gathering."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> int:
+    """Targets whose argmax prediction is right (evaluation only: gathers vocab-parallel logits)."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    valid = labels != -100
+    return int(((logits.argmax(-1) == labels) & valid).sum())
+
+
+def scalar(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (the loss under loss_parallel) as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def autocast(device: torch.device, precision: str):
@@ -114,91 +136,116 @@ def autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, samples: int,
-             device: torch.device, precision: str = "fp32", num_workers: int = 0) -> dict[str, float]:
-    """Loss, perplexity and token accuracy over the first `samples` samples of `dataset` (a fixed set)."""
-    samples = min(samples, len(dataset))
-    if samples == 0:
-        raise ConfigError(f"the {dataset.split} split has no samples; give it a larger share in data.split")
-    batch_size = min(micro_batch_size, samples)
-    loader = build_loader(dataset, batch_size, total_samples=samples // batch_size * batch_size,
+             device: torch.device, precision: str = "fp32", num_workers: int = 0,
+             mesh: Mesh | None = None) -> dict[str, float]:
+    """Loss, perplexity and token accuracy over the first `samples` samples of `dataset` (a fixed set),
+    shared out over the dp ranks of `mesh` and summed over them."""
+    dp_rank, dp_size = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (0, 1)
+    batch_size = min(micro_batch_size, max(1, min(samples, len(dataset)) // dp_size))
+    usable = min(samples, len(dataset)) // (batch_size * dp_size) * batch_size * dp_size
+    if usable == 0:
+        raise ConfigError(f"the {dataset.split} split has fewer samples than the {dp_size} data-parallel ranks; "
+                          "give it a larger share in data.split")
+    loader = build_loader(dataset, batch_size, dp_rank=dp_rank, dp_size=dp_size, total_samples=usable,
                           num_workers=num_workers)
+    tensor_parallel = mesh is not None and mesh.tp_size > 1
     was_training = model.training
     model.eval()
-    loss, tokens, correct = 0.0, 0, 0
+    sums = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast(device, precision):
+        with autocast(device, precision), (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            decoder_input_ids=model.shift_right(batch["labels"])).logits
-        s, n, c = token_loss_sums(logits, batch["labels"])
-        loss, tokens, correct = loss + s.item(), tokens + int(n), correct + int(c)
+            loss = scalar(token_loss_sum(logits, batch["labels"]))
+        sums += torch.tensor([loss.item(), int((batch["labels"] != -100).sum()),
+                              correct_predictions(logits, batch["labels"])], dtype=torch.float64)
+    if mesh is not None and dp_size > 1:
+        dist.all_reduce(sums, group=mesh.mesh["dp"].get_group())
     model.train(was_training)
+    loss, tokens, correct = sums.tolist()
     mean = loss / tokens
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "accuracy": correct / tokens,
-            "samples": samples // batch_size * batch_size, "tokens": tokens}
+            "samples": usable, "tokens": int(tokens)}
 
 
 class Trainer:
     """Holds what the loop and its hooks share; `run_training()` trains to max_steps."""
 
     def __init__(self, run: RunConfig, echo=print):
-        self.run, self.echo = run, echo
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cpu":
-            # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and
-            # are ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
-            torch.set_flush_denormal(True)
+        self.run = run
         self.run_dir = Path(run.train.output_dir)
         self.checkpoints_dir = self.run_dir / "checkpoints"
         self.global_batch_size, self.accumulation = batch_arithmetic(
             run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
-        self._check_world()
-        self.model_config = build_model_config(run)  # cheap checks first: no data is read before them
-        resume_from = self._resume_point()
-
-        torch.manual_seed(run.train.seed)
+        # Cheap checks first, on every rank, before any process group or data exists.
+        self.model_config = build_model_config(run)
         d = run.data
-        self.data: PretrainingData = build_pretraining_data(
-            d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
-            mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
-        self.targets_length = self.data.corruption.targets_length
+        _, self.targets_length = compute_input_and_target_lengths(d.inputs_length, d.noise_density,
+                                                                  d.mean_noise_span_length)
+        check_layout(run.parallel, self.model_config, d.inputs_length, self.targets_length, world_size_from_env())
         if d.targets_length is not None and d.targets_length != self.targets_length:
             raise ConfigError(
                 f"data.targets_length={d.targets_length} does not follow from inputs_length={d.inputs_length}, "
                 f"noise_density={d.noise_density}, mean_noise_span_length={d.mean_noise_span_length}: span "
-                f"corruption of {self.data.corruption.tokens_length} raw tokens gives {self.targets_length} targets; "
-                "remove data.targets_length or set it to that")
+                f"corruption gives {self.targets_length} targets; remove data.targets_length or set it to that")
+
+        self.mesh = build_mesh(run.parallel)
+        self.device = self.mesh.device
+        self.echo = echo if self.mesh.is_main else (lambda *_: None)
+        if self.device.type == "cpu":
+            # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and
+            # are ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
+            torch.set_flush_denormal(True)
+        resume_from = self._resume_point()
+
+        # Same seed within a tensor-parallel group (its replicated activations need the same dropout
+        # masks), a different one per data-parallel rank.
+        torch.manual_seed(run.train.seed + self.mesh.dp_rank)
+        self.data: PretrainingData = build_pretraining_data(
+            d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
+            mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
         if self.data.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.data.tokenizer.vocab_size} ids but the model's vocab_size is "
                 f"{self.model_config.vocab_size}; set model.overrides.vocab_size to at least "
                 f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
-        self.model = apply_ac(build_model(run, self.model_config, self.device), run.parallel.activation_checkpointing)
+        self.model = self.parallelize(build_model(run, self.model_config, self.device))
         self.model.train()
         self.max_steps = run.train.max_steps or run.train.max_samples // self.global_batch_size
         if self.max_steps < 1:
             raise ConfigError(f"train.max_samples={run.train.max_samples} is less than one global batch "
                               f"({self.global_batch_size}); raise it")
-        self.optimizer = build_optimizer(self.model, run.optim)
+        self.params = unique_parameters(self.model)
+        self.zero1 = Zero1Partition(self.params, self.mesh.mesh["dp"]) if run.parallel.zero_stage == 1 else None
+        self.optimizer = build_optimizer(self.model, run.optim, only=self.zero1.owned() if self.zero1 else None)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
-        self.scaler = build_grad_scaler(run.precision, self.device)
+        self.loss_scaler = LossScaler(run.precision)
+        self.last_grad_norm = math.nan
         self.state = TrainState()
         self._rng_to_restore: dict | None = None
         if resume_from is not None:
             self._restore(resume_from)
         self.flops_per_sample = training_flops_per_sample(self.model_config, d.inputs_length, self.targets_length)
 
-    # -- set-up ----------------------------------------------------------------------------------------
-    def _check_world(self) -> None:
+    def parallelize(self, model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:
+        """Tensor parallel -> activation checkpointing -> data parallel (ZeRO 2/3 as FSDP2), in that order."""
         p = self.run.parallel
-        if p.dp * p.tp * p.pp != 1:
-            raise ConfigError(
-                f"parallel.dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp} processes, but this is "
-                "a single process; set parallel.dp=1 parallel.tp=1 parallel.pp=1")
-        if p.zero_stage != 0 or p.sequence_parallel:
-            raise ConfigError("parallel.zero_stage and parallel.sequence_parallel shard work across processes; "
-                              "a single process has nothing to shard: set parallel.zero_stage=0 "
-                              "parallel.sequence_parallel=false")
+        if p.tp > 1:
+            apply_tp(model, self.mesh.mesh["tp"], sequence_parallel=p.sequence_parallel)
+        apply_ac(model, p.activation_checkpointing)
+        if p.zero_stage >= 2:
+            param_dtype = COMPUTE_DTYPES[self.run.precision.dtype] if self.run.precision.dtype == "bf16" else None
+            apply_fsdp(model, self.mesh.mesh["dp"], p.zero_stage, param_dtype=param_dtype)
+        return model
+
+    def close(self) -> None:
+        self.mesh.close()
+
+    def layout(self) -> dict:
+        p = self.run.parallel
+        return {"world_size": dist.get_world_size(), "dp": p.dp, "tp": p.tp, "pp": p.pp,
+                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
 
     def _resume_point(self) -> Path | None:
         resume = self.run.train.resume
@@ -239,18 +286,21 @@ class Trainer:
                 "train.output_dir, or set train.resume to one of its checkpoints explicitly")
 
     def _restore(self, path: Path) -> None:
-        state = ckpt.load_training_checkpoint(path, self.model, self.optimizer)
+        state = ckpt.load_training_checkpoint(path, self.model, self.optimizer, self.layout())
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.state.step = state["step"]
         self.state.consumed_samples = state["consumed_samples"]
         self.state.skipped_steps = state["skipped_steps"]
         self._rng_to_restore = state["rng"]
+        if state["rng"] is None:
+            self.echo("the checkpoint was written by another layout: RNG streams (dropout) start afresh")
         self.echo(f"resumed from {path} at iteration {self.state.step}, consumed_samples {self.state.consumed_samples}")
 
     def save(self) -> Path:
         trainer_state = {"consumed_samples": self.state.consumed_samples, "skipped_steps": self.state.skipped_steps,
-                         "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+                         "scheduler": self.scheduler.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                         "layout": self.layout()}
         return ckpt.save_training_checkpoint(self.checkpoints_dir, self.state.step, self.model, self.optimizer,
                                              trainer_state, self.run.train.keep_last)
 
@@ -270,28 +320,41 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        """One optimizer step over the micro-batches of a global batch; returns the global-batch loss."""
-        tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
-        total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        """One optimizer step over this rank's micro-batches of a global batch; returns the loss of the
+        whole global batch (all dp ranks)."""
+        dp_group = self.mesh.mesh["dp"].get_group()
+        counts = torch.tensor([sum(int((b["labels"] != -100).sum()) for b in micro_batches)], dtype=torch.float64)
+        dist.all_reduce(counts, group=dp_group)  # target tokens of the global batch
+        tokens = counts.item()
+        multiplier = self.loss_scaler.scale * self.mesh.dp_size / tokens
+        fsdp, tensor_parallel = self.run.parallel.zero_stage >= 2, self.mesh.tp_size > 1
+        total = torch.zeros(1, dtype=torch.float64)
+        for i, batch in enumerate(micro_batches):
+            if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            with autocast(self.device, self.run.precision.dtype):
+            with autocast(self.device, self.run.precision.dtype), \
+                    (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
                 logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                     decoder_input_ids=self.model.shift_right(batch["labels"])).logits
-            loss_sum, _, _ = token_loss_sums(logits, batch["labels"])
-            self.scaler.scale(loss_sum / tokens).backward()
-            total += loss_sum.detach()
-        self.scaler.unscale_(self.optimizer)
-        if self.run.optim.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.run.optim.clip_grad_norm)
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.scaler.is_enabled() and self.scaler.get_scale() < scale_before:
-            self.state.skipped_steps += 1  # inf/NaN gradients: the step was skipped and the scale backed off
-        else:
-            self.scheduler.step()  # as Megatron: a skipped update does not advance the schedule
-        self.optimizer.zero_grad(set_to_none=True)
+                loss_sum = token_loss_sum(logits, batch["labels"])
+                (loss_sum * multiplier).backward()
+            total += scalar(loss_sum.detach()).double().cpu()
+        if not fsdp:
+            all_reduce_gradients(self.params, dp_group)
+        self.loss_scaler.unscale(self.params)
+        max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
+        self.last_grad_norm = clip_grad_norm(self.params, max_norm)
+        if self.loss_scaler.update(math.isfinite(self.last_grad_norm)):
+            self.optimizer.step()
+            if self.zero1 is not None:
+                self.zero1.broadcast_updated()
+            self.scheduler.step()
+        else:  # inf/NaN gradients in fp16: skip, back off the scale; as Megatron, the schedule waits
+            self.state.skipped_steps += 1
+        for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
+            p.grad = None
+        dist.all_reduce(total, group=dp_group)
         return total.item() / tokens
 
     def run_training(self, hooks: list | None = None) -> TrainState:
@@ -360,11 +423,18 @@ class LogHook(Hook):
             iteration=t.state.step, max_steps=t.max_steps, consumed_samples=t.state.consumed_samples,
             loss=sum(self.period_losses) / steps, lr=t.scheduler.get_last_lr()[0], time_s=per_iter,
             data_time_s=self.period_data_time / steps, samples_per_s=samples_per_s,
-            tokens_per_s=samples_per_s * tokens_per_sample, tflops=tflops, mfu=tflops * 1e12 / self.peak,
-            mem_mib=peak_memory_mib(t.device), skipped_steps=t.state.skipped_steps,
+            tokens_per_s=samples_per_s * tokens_per_sample, tflops=tflops,
+            mfu=tflops * 1e12 / (self.peak * dist.get_world_size()),
+            mem_mib=self.largest_memory(), skipped_steps=t.state.skipped_steps,
             eta_s=(t.max_steps - t.state.step) * sum(recent) / len(recent))
-        self.writer.write(metrics.record(), metrics.line())
+        self.writer.write({**metrics.record(), "grad_norm": t.last_grad_norm}, metrics.line())
         self.period_losses, self.period_time, self.period_data_time = [], 0.0, 0.0
+
+    def largest_memory(self) -> float:
+        """The peak memory of the most loaded rank (every rank takes part in this all-reduce)."""
+        memory = torch.tensor([peak_memory_mib(self.t.device)], dtype=torch.float64)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        return memory.item()
 
 
 class EvalHook(Hook):
@@ -377,7 +447,7 @@ class EvalHook(Hook):
         if self.last_step == t.state.step:
             return
         result = evaluate(t.model, t.data.valid, t.run.train.micro_batch_size, t.run.train.eval_samples, t.device,
-                          t.run.precision.dtype)
+                          t.run.precision.dtype, mesh=t.mesh)
         self.last_step = t.state.step
         self.writer.write(
             {"iteration": t.state.step, "consumed_samples": t.state.consumed_samples, "valid_loss": result["loss"],
@@ -413,20 +483,29 @@ class CheckpointHook(Hook):
     def after_train(self) -> None:
         self.save()
         if self.t.run.train.export_hf:
-            from t5forge.fileio import atomic_directory
+            self.export_hf()
 
-            target = self.t.run_dir / "hf"
-            if target.exists():
-                import shutil
+    def export_hf(self) -> None:
+        """Gather the full model from any layout (a collective) and write it, with the tokenizer, on rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-                shutil.rmtree(target)
-            with atomic_directory(target) as staging:
-                self.t.model.save_pretrained(staging)
-                for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                    source = Path(self.t.run.data.tokenizer) / name
-                    if source.is_file():
-                        (staging / name).write_bytes(source.read_bytes())
-            self.t.echo(f"exported HF model and tokenizer to {target}")
+        from t5forge.fileio import atomic_directory
+        from t5forge.models.hf import build_model as model_from_state
+
+        state = get_model_state_dict(self.t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.t.mesh.is_main:
+            return
+        model = model_from_state(self.t.model_config, state, source="the trained model")
+        target = self.t.run_dir / "hf"
+        if target.exists():
+            shutil.rmtree(target)
+        with atomic_directory(target) as staging:
+            model.save_pretrained(staging)
+            for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                source = Path(self.t.run.data.tokenizer) / name
+                if source.is_file():
+                    (staging / name).write_bytes(source.read_bytes())
+        self.t.echo(f"exported HF model and tokenizer to {target}")
 
 
 class PlotHook(Hook):
@@ -435,20 +514,27 @@ class PlotHook(Hook):
 
     def after_train(self) -> None:
         self.writer.close()
+        if not self.t.mesh.is_main:
+            return
         png = plot_loss_curve(self.writer.path, self.t.run_dir / "loss_curve.png")
         if png is not None:
             self.t.echo(f"loss curve: {png}")
 
 
 def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
-    writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo)
+    writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo,
+                           enabled=trainer.mesh.is_main)
     # Order matters at the end: evaluate, then save and export, then plot what was logged.
     return [LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer), PlotHook(trainer, writer)]
 
 
 def train(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
     trainer = Trainer(run, echo=echo)
-    trainer.run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(trainer.run_dir / "config.yaml", to_yaml(run))
-    trainer.run_training(default_hooks(trainer, tensorboard=tensorboard))
+    try:
+        if trainer.mesh.is_main:
+            trainer.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(trainer.run_dir / "config.yaml", to_yaml(run))
+        trainer.run_training(default_hooks(trainer, tensorboard=tensorboard))
+    finally:
+        trainer.close()
     return trainer

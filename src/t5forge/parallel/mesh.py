@@ -1,0 +1,110 @@
+"""The device mesh: (pp, dp, tp) from the torchrun environment, tp innermost so that a tensor-parallel
+group stays inside one node. NCCL on GPUs, gloo on CPUs. A single process is the 1 x 1 x 1 mesh, built
+by the same code (a one-rank process group), so nothing downstream has a special case for it.
+
+Every size check happens in `check_layout`, before any process group exists: a bad layout fails with a
+message on every rank instead of hanging in a collective."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from t5forge.config import ParallelConfig
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import T5Config
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(parallel: ParallelConfig, model: T5Config, inputs_length: int, targets_length: int,
+                 world_size: int) -> None:
+    """Raise ConfigError naming the number to change when the layout cannot work."""
+    dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
+    if dp * tp * pp != world_size:
+        raise ConfigError(
+            f"parallel.dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but {world_size} process(es) are running; "
+            f"make the product equal the number of processes (torchrun --nproc-per-node x --nnodes)")
+    if pp != 1:
+        raise ConfigError("pipeline parallelism is not available in this version: set parallel.pp=1")
+    if not 0 <= parallel.zero_stage <= 3:
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {parallel.zero_stage}")
+    if parallel.zero_stage > 0 and dp == 1:
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage} shards over data-parallel ranks, and "
+                          "parallel.dp=1 has none: set parallel.zero_stage=0 or parallel.dp > 1")
+    if parallel.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel splits sequences over tensor-parallel ranks, and "
+                          "parallel.tp=1 has none: set parallel.sequence_parallel=false or parallel.tp > 1")
+    if tp > 1:
+        for name, value in (("num_heads", model.num_heads), ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):
+            if value % tp:
+                raise ConfigError(f"model {name}={value} is not divisible by parallel.tp={tp}; choose a tp that "
+                                  f"divides it (or set model.overrides.{name})")
+        if parallel.sequence_parallel:
+            for name, value in (("data.inputs_length", inputs_length), ("targets length", targets_length)):
+                if value % tp:
+                    raise ConfigError(f"sequence parallelism splits sequences into tp={tp} parts, but {name} is "
+                                      f"{value}; choose a length divisible by {tp}")
+
+
+@dataclass
+class Mesh:
+    """The run's device mesh and this process's coordinates in it."""
+
+    mesh: DeviceMesh
+    device: torch.device
+    owns_process_group: bool
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh["tp"].size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_main(self) -> bool:
+        return dist.get_rank() == 0
+
+    def close(self) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_mesh(parallel: ParallelConfig) -> Mesh:
+    """Initialise the process group (unless one exists) and the (pp, dp, tp) mesh."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        else:  # one process without torchrun: a private one-rank group
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        owns = True
+    mesh = init_device_mesh(device.type, (parallel.pp, parallel.dp, parallel.tp), mesh_dim_names=MESH_DIMS)
+    return Mesh(mesh=mesh, device=device, owns_process_group=owns)

@@ -1,0 +1,96 @@
+"""Tensor parallelism (Megatron's split) applied to a plain T5 with DTensor's `parallelize_module`.
+
+Per block, the plan is a readable dict (see `block_plan`): q, k, v and the FFN input projections are
+split column-wise (each rank holds num_heads / tp heads, d_ff / tp hidden units), o and wo row-wise
+(their partial sums meet in one all-reduce per sub-layer), and the relative position bias is split on
+its heads dimension, so every rank computes the bias of its own heads. The shared embedding is split on
+the vocabulary (one all-reduce of its output) and the LM head too: logits stay sharded on the
+vocabulary and the loss is computed under `loss_parallel()`, so full logits are never gathered. A tied
+head (T5 v1.0) is re-tied to the sharded embedding, whose vocabulary split it shares.
+
+With sequence_parallel, the residual stream between sub-layers is split on the sequence dimension:
+norms and dropout run on 1/tp of the tokens, and each sub-layer all-gathers its input and
+reduce-scatters its output (the same bytes as one all-reduce, 1/tp of the activation memory). The
+encoder output is gathered once and used by every decoder layer's cross-attention."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    parallelize_module,
+)
+
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import T5ForConditionalGeneration
+
+
+def block_plan(block, sequence_parallel: bool) -> dict:
+    """The plan of one T5Block: {submodule name: parallel style}."""
+    sp = sequence_parallel
+    # Row-wise outputs: reduce-scatter to sequence shards (SP) or all-reduce to a replicated tensor.
+    row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
+    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {}
+    for i, sublayer in enumerate(block.layer):
+        attention_name = next((n for n in ("SelfAttention", "EncDecAttention") if hasattr(sublayer, n)), None)
+        if attention_name is not None:
+            attention = f"layer.{i}.{attention_name}"
+            plan.update({f"{attention}.q": ColwiseParallel(), f"{attention}.k": ColwiseParallel(),
+                         f"{attention}.v": ColwiseParallel(), f"{attention}.o": row_out})
+            if getattr(sublayer, attention_name).has_relative_attention_bias:
+                # Embedding(num_buckets, num_heads): column-wise = split the heads.
+                plan[f"{attention}.relative_attention_bias"] = ColwiseParallel()
+            if sp:  # (hidden states, bias) or, for cross-attention, (hidden, bias, encoder states)
+                extra = (None,) * (2 if attention_name == "EncDecAttention" else 1)
+                plan[attention] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
+                                                     desired_input_layouts=(Replicate(), *extra))
+        else:
+            ffn = f"layer.{i}.DenseReluDense"
+            for name in ("wi", "wi_0", "wi_1"):
+                if hasattr(sublayer.DenseReluDense, name):
+                    plan[f"{ffn}.{name}"] = ColwiseParallel()
+            plan[f"{ffn}.wo"] = row_out
+            if sp:
+                plan[ffn] = gather_input
+        if sp:
+            plan[f"layer.{i}.layer_norm"] = SequenceParallel()
+    return plan
+
+
+def model_plan(sequence_parallel: bool) -> dict:
+    """Embedding, head, final norms and the encoder output."""
+    if not sequence_parallel:
+        return {
+            "shared": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+    return {
+        "shared": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "encoder.final_layer_norm": SequenceParallel(),
+        "decoder.final_layer_norm": SequenceParallel(),
+        # One all-gather of the encoder output, shared by every decoder cross-attention.
+        "encoder": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                       use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def apply_tp(model: T5ForConditionalGeneration, tp_mesh: DeviceMesh, sequence_parallel: bool = False):
+    """Shard `model` in place over the 1-D `tp_mesh`; returns it."""
+    if tp_mesh.ndim != 1:
+        raise ConfigError(f"apply_tp needs the 1-D tensor-parallel sub-mesh, got {tp_mesh.ndim} dimensions")
+    tp = tp_mesh.size()
+    config = model.config
+    for name in ("num_heads", "d_ff", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ConfigError(f"model {name}={getattr(config, name)} is not divisible by parallel.tp={tp}")
+    tied = config.tie_word_embeddings
+    for stack in (model.encoder, model.decoder):
+        for block in stack.block:
+            parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
+    parallelize_module(model, tp_mesh, model_plan(sequence_parallel))
+    if tied:  # both are split on the vocabulary (dim 0), so one sharded parameter serves both
+        model.lm_head.weight = model.shared.weight
+    return model
