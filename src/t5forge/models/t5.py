@@ -312,14 +312,25 @@ class T5Block(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        self_attn_bias: torch.Tensor | None,
+        position_bias: torch.Tensor | None,
+        mask: torch.Tensor | None,
         encoder_hidden_states: torch.Tensor | None = None,
         cross_attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = _clamp_fp16(self.layer[0](hidden_states, self_attn_bias))
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the new hidden states and the self-attention bias (position bias + mask) that the
+        following blocks reuse. A block with its own relative position bias (the first of each stack in
+        T5, every block in UMT5) computes it here, inside its own forward, where sharded parameters are
+        gathered."""
+        attention = self.layer[0].SelfAttention
+        if attention.has_relative_attention_bias:
+            length = hidden_states.shape[1]
+            position_bias = attention.compute_bias(length, length)
+            if mask is not None:
+                position_bias = position_bias + mask
+        hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias))
         if self.is_decoder:
             hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias))
-        return _clamp_fp16(self.layer[-1](hidden_states))
+        return _clamp_fp16(self.layer[-1](hidden_states)), position_bias
 
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -352,7 +363,7 @@ class T5Stack(nn.Module):
         encoder_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding."""
-        batch, length, _ = inputs_embeds.shape
+        length = inputs_embeds.shape[1]
         dtype, device = inputs_embeds.dtype, inputs_embeds.device
 
         # Which keys each query may see: [batch or 1, 1, q_len, k_len], True = attend.
@@ -369,15 +380,11 @@ class T5Stack(nn.Module):
             cross_bias = additive_mask(encoder_attention_mask.bool()[:, None, None, :], dtype)
 
         hidden_states = self.dropout(inputs_embeds)
-        self_bias = None
+        # T5/mT5: the first block's bias is reused by every block; UMT5: each block computes its own.
+        position_bias = None
         for block in self.block:
-            attention = block.layer[0].SelfAttention
-            # T5/mT5: the first block's bias is reused by every block; UMT5: each block has its own.
-            if attention.has_relative_attention_bias:
-                self_bias = attention.compute_bias(length, length)
-                if mask is not None:
-                    self_bias = self_bias + mask
-            hidden_states = block(hidden_states, self_bias, encoder_hidden_states, cross_bias)
+            hidden_states, position_bias = block(hidden_states, position_bias, mask, encoder_hidden_states,
+                                                 cross_bias)
         return self.dropout(self.final_layer_norm(hidden_states))
 
 

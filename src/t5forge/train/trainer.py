@@ -361,8 +361,10 @@ class Trainer:
         hooks = hooks if hooks is not None else default_hooks(self)
         for hook in hooks:
             hook.before_train()
+        # Each dp rank reads only its slice of every global batch (see data/loader.py).
         loader = iter(build_loader(self.data.train, self.run.train.micro_batch_size, self.state.consumed_samples,
-                                   total_samples=None, num_workers=self.run.data.num_workers))
+                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                   num_workers=self.run.data.num_workers))
         if self._rng_to_restore is not None:  # last, so that nothing in set-up shifts the dropout stream
             ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None

@@ -1,0 +1,55 @@
+"""Run under torchrun: train the same tiny T5 in several parallel layouts, one after another in this one
+launch (process start-up is the expensive part), and write each layout's losses and final weights.
+
+    torchrun --nproc-per-node N tests/distributed/layouts.py DATA TOKENIZER OUT CASE [CASE ...]
+
+CASE is NAME=override;override;... (config overrides separated by ';'). Rank 0 writes OUT/NAME.json
+(losses) and OUT/NAME.safetensors (the full trained weights, gathered from the layout)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from t5forge.config import load_config
+from t5forge.train.trainer import train
+
+TINY = [
+    "model.preset=t5-v1_1-small", "model.overrides.vocab_size=2176", "model.overrides.d_model=32",
+    "model.overrides.d_ff=48", "model.overrides.d_kv=8", "model.overrides.num_heads=4",
+    "model.overrides.num_layers=2", "model.overrides.num_decoder_layers=2", "model.dropout_rate=0",
+    "data.inputs_length=64", "data.num_workers=0", "train.max_steps=3", "train.log_period=1",
+    "train.eval_period=0", "train.save_period=0", "train.export_hf=false", "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.01",
+]
+
+
+def base_overrides(data: str, tokenizer: str, output_dir: str) -> list[str]:
+    return [*TINY, f"data.dataset={data}", f"data.tokenizer={tokenizer}", f"train.output_dir={output_dir}"]
+
+
+def main() -> None:
+    data, tokenizer, out, *cases = sys.argv[1:]
+    out = Path(out)
+    dist.init_process_group("gloo")  # held across cases, so each trainer's mesh reuses it
+    for case in cases:
+        name, _, extra = case.partition("=")
+        overrides = base_overrides(data, tokenizer, str(out / name)) + [o for o in extra.split(";") if o]
+        trainer = train(load_config(None, overrides), echo=lambda *_: None, tensorboard=False)
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.mesh.is_main:
+            (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses}))
+            state = {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
+                     not trainer.model_config.tie_word_embeddings}
+            save_file(state, out / f"{name}.safetensors")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
