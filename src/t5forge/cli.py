@@ -138,12 +138,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        # Convenience for one machine: relaunch this command under torchrun with N processes.
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun
+
+        try:
+            torchrun(["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "t5forge", "train",
+                      args.config, *args.overrides])
+        except ChildFailedError as e:  # the failing rank printed its error; pass its exit status on
+            return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
+        return 0
     from t5forge.config import load_config
     from t5forge.train.trainer import train
 
     run = load_config(args.config, args.overrides)
     trainer = train(run)
-    print(f"run directory: {trainer.run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"run directory: {trainer.run_dir}")
     return 0
 
 
@@ -215,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(dotted, e.g. train.max_steps=100) overrides it.")
     train.add_argument("config", metavar="CONFIG.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value")
+    train.add_argument("--nproc-per-node", type=int, metavar="N",
+                       help="start N processes on this machine (torchrun --standalone); for several machines "
+                            "run `torchrun ... -m t5forge train` on each (see README)")
     train.set_defaults(func=cmd_train)
 
     evaluation = sub.add_parser("eval", help="validation/test loss, perplexity and token accuracy of a run")
@@ -240,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except T5ForgeError as e:
-        print(f"t5forge {args.command}: error: {e}", file=sys.stderr)
+        import os
+
+        where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"t5forge {args.command}{where}: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

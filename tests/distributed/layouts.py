@@ -3,8 +3,10 @@ launch (process start-up is the expensive part), and write each layout's losses 
 
     torchrun --nproc-per-node N tests/distributed/layouts.py DATA TOKENIZER OUT CASE [CASE ...]
 
-CASE is NAME=override;override;... (config overrides separated by ';'). Rank 0 writes OUT/NAME.json
-(losses) and OUT/NAME.safetensors (the full trained weights, gathered from the layout)."""
+CASE is NAME=override;override;... with config overrides, plus two test-only words: `stop_after=K`
+(stop after step K, as a killed job would) and `fail_on_rank=R` (rank R raises before training, to see
+that the job comes down instead of hanging). Rank 0 writes OUT/NAME.json (losses) and
+OUT/NAME.safetensors (the full trained weights, gathered from the layout)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from t5forge.config import load_config
-from t5forge.train.trainer import train
+from t5forge.train.trainer import Hook, Trainer, default_hooks
 
 TINY = [
     "model.preset=t5-v1_1-small", "model.overrides.vocab_size=2176", "model.overrides.d_model=32",
@@ -25,8 +27,7 @@ TINY = [
     "model.overrides.num_layers=2", "model.overrides.num_decoder_layers=2", "model.dropout_rate=0",
     "data.inputs_length=64", "data.num_workers=0", "train.max_steps=3", "train.log_period=1",
     "train.eval_period=0", "train.save_period=0", "train.export_hf=false", "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.01",
+    "train.micro_batch_size=4", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.01",
 ]
 
 
@@ -34,20 +35,49 @@ def base_overrides(data: str, tokenizer: str, output_dir: str) -> list[str]:
     return [*TINY, f"data.dataset={data}", f"data.tokenizer={tokenizer}", f"train.output_dir={output_dir}"]
 
 
+class Stop(Exception):
+    pass
+
+
+class StopAfter(Hook):
+    def __init__(self, trainer: Trainer, step: int):
+        self.trainer, self.step = trainer, step
+
+    def after_step(self, *args) -> None:
+        if self.trainer.state.step == self.step:
+            raise Stop
+
+
+def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
+    name, _, extra = case.partition("=")
+    words = [o for o in extra.split(";") if o]
+    special = dict(w.split("=") for w in words if w.split("=")[0] in ("stop_after", "fail_on_rank"))
+    overrides = base_overrides(data, tokenizer, str(out / name)) + [w for w in words if w.split("=")[0] not in special]
+    if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
+        raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
+    trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
+    if trainer.mesh.is_main:
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    hooks = default_hooks(trainer, tensorboard=False)
+    if "stop_after" in special:
+        hooks.append(StopAfter(trainer, int(special["stop_after"])))
+    try:
+        trainer.run_training(hooks)
+    except Stop:
+        pass
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.mesh.is_main:
+        (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses}))
+        tied = trainer.model_config.tie_word_embeddings
+        save_file({k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")},
+                  out / f"{name}.safetensors")
+
+
 def main() -> None:
     data, tokenizer, out, *cases = sys.argv[1:]
-    out = Path(out)
     dist.init_process_group("gloo")  # held across cases, so each trainer's mesh reuses it
     for case in cases:
-        name, _, extra = case.partition("=")
-        overrides = base_overrides(data, tokenizer, str(out / name)) + [o for o in extra.split(";") if o]
-        trainer = train(load_config(None, overrides), echo=lambda *_: None, tensorboard=False)
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if trainer.mesh.is_main:
-            (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses}))
-            state = {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
-                     not trainer.model_config.tie_word_embeddings}
-            save_file(state, out / f"{name}.safetensors")
+        run_case(data, tokenizer, Path(out), case)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,183 @@
+"""Every parallel layout trains exactly like one process (gloo, CPU): losses of 3 AdamW steps within
+1e-5 relative and the updated weights equal; checkpoints written by one layout resume in others with the
+same subsequent losses; a 2-"node" job; a failing rank brings the job down; bad layouts are refused.
+
+Process start-up dominates, so all layouts of one world size run in one torchrun launch
+(tests/distributed/layouts.py) and the assertions read its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from t5forge.cli import main
+from t5forge.config import load_config
+from t5forge.errors import CheckpointError, ConfigError
+from t5forge.models.t5 import T5Config
+from t5forge.parallel.mesh import check_layout
+from t5forge.train.trainer import train
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from layouts import base_overrides  # noqa: E402
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+CHECKPOINT = "save/checkpoints/step_00000003"
+FOUR_RANKS = {  # run as two "nodes" of two processes each
+    "dp2_tp2": "parallel.dp=2;parallel.tp=2",
+    "dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3",
+    "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true",
+    "dp4_zero2": "parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2",
+    "save": "parallel.dp=2;parallel.tp=2;train.max_steps=6;train.save_period=3;stop_after=3",
+    "resume_dp4": f"parallel.dp=4;train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+}
+TWO_RANKS = {
+    "dp2": "parallel.dp=2",
+    "dp2_zero1": "parallel.dp=2;parallel.zero_stage=1",
+    "dp2_zero2": "parallel.dp=2;parallel.zero_stage=2",
+    "dp2_zero3": "parallel.dp=2;parallel.zero_stage=3",
+    "dp2_accumulate": "parallel.dp=2;train.micro_batch_size=2",
+    "tp2": "parallel.tp=2",
+    "tp2_sp": "parallel.tp=2;parallel.sequence_parallel=true",
+    "tp2_ac_full": "parallel.tp=2;parallel.activation_checkpointing=full",
+    "tp2_sp_ac_selective": "parallel.tp=2;parallel.sequence_parallel=true;parallel.activation_checkpointing=selective",
+    "resume_tp2": f"parallel.tp=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(tmp: Path) -> dict:
+    # torchrun leaves torchelastic_* folders in TMPDIR; keep them in the test's own folder.
+    return {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+
+
+def run_layouts(args: list[str], cases: dict, dataset_prefix, tokenizer_dir, out: Path, nodes: int = 1):
+    specs = [f"{name}={spec.replace('OUT', str(out))}" for name, spec in cases.items()]
+    script = [str(HERE / "layouts.py"), str(dataset_prefix), str(tokenizer_dir), str(out), *specs]
+    env = launch_env(out)
+    if nodes == 1:
+        result = subprocess.run([*TORCHRUN, *args, *script], capture_output=True, text=True, env=env, timeout=900)
+        assert result.returncode == 0, result.stderr[-5000:]
+        return
+    agents = [subprocess.Popen([*TORCHRUN, *args, *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env) for _ in range(nodes)]
+    outputs = [agent.communicate(timeout=900)[0] for agent in agents]
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0, output[-5000:]
+
+
+@pytest.fixture(scope="module")
+def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    reference = {}
+    for steps in (3, 6):
+        overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single{steps}"))
+        trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}"]), echo=lambda *_: None,
+                        tensorboard=False)
+        reference[steps] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
+    port = free_port()
+    run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
+                FOUR_RANKS, dataset_prefix, tokenizer_dir, out, nodes=2)
+    run_layouts(["--standalone", "--nproc-per-node", "2"], TWO_RANKS, dataset_prefix, tokenizer_dir, out)
+    single = train(load_config(None, [*base_overrides(dataset_prefix, tokenizer_dir, str(out / "resume_single")),
+                                      "train.max_steps=6", f"train.resume={out / CHECKPOINT}"]),
+                   echo=lambda *_: None, tensorboard=False)
+    (out / "resume_single.json").write_text(json.dumps({"losses": single.state.losses}))
+    return out, reference
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS} if not n.startswith(("save", "resume"))])
+def test_layout_trains_like_one_process(layout, results):
+    out, reference = results
+    losses, weights = reference[3]
+    assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
+    trained = load_file(out / f"{layout}.safetensors")
+    assert set(trained) <= set(weights)
+    for name, tensor in trained.items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
+
+
+@pytest.mark.parametrize("layout", ["resume_dp4", "resume_tp2", "resume_single"])
+def test_checkpoint_of_dp2_tp2_resumes_in_other_layouts(layout, results):
+    out, reference = results
+    straight = reference[6][0]
+    saved = json.loads((out / "save.json").read_text())["losses"]
+    assert relative_difference(saved, straight[:3]) < 1e-5
+    resumed = json.loads((out / f"{layout}.json").read_text())["losses"]
+    assert relative_difference(resumed, straight[3:]) < 1e-6
+
+
+def test_checkpoint_of_another_model_is_refused(results, dataset_prefix, tokenizer_dir, tmp_path):
+    out, _ = results
+    overrides = [*base_overrides(dataset_prefix, tokenizer_dir, str(tmp_path / "other")), "train.max_steps=6",
+                 f"train.resume={out / CHECKPOINT}", "model.overrides.d_ff=64"]
+    with pytest.raises(CheckpointError, match="holds a different model .*d_ff: 48 vs 64"):
+        train(load_config(None, overrides), echo=lambda *_: None, tensorboard=False)
+
+
+def test_a_failing_rank_brings_the_job_down(dataset_prefix, tokenizer_dir, tmp_path):
+    script = [str(HERE / "layouts.py"), str(dataset_prefix), str(tokenizer_dir), str(tmp_path),
+              "boom=parallel.dp=2;fail_on_rank=1"]
+    result = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", *script], capture_output=True,
+                            text=True, env=launch_env(tmp_path), timeout=300)
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
+
+
+def test_cli_launches_processes_and_only_rank_0_reports(dataset_prefix, tokenizer_dir, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  max_steps: 2\n")
+    overrides = [o for o in base_overrides(dataset_prefix, tokenizer_dir, str(tmp_path / "run"))
+                 if not o.startswith("train.max_steps")]
+    result = subprocess.run([sys.executable, "-m", "t5forge", "train", "--nproc-per-node", "2", str(config),
+                             *overrides, "parallel.dp=2"], capture_output=True, text=True,
+                            env=launch_env(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("iteration: 2/2 ") == 1
+    assert result.stdout.count("run directory:") == 1
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("change, world, message", [
+    (dict(dp=2, tp=2), 2, r"dp x tp x pp = 2 x 2 x 1 = 4, but 2 process"),
+    (dict(tp=3), 3, "num_heads=4 is not divisible by parallel.tp=3"),
+    (dict(dp=2, zero_stage=4), 2, "zero_stage must be 0, 1, 2 or 3"),
+    (dict(zero_stage=2), 1, "parallel.dp=1 has none"),
+    (dict(pp=2), 2, "set parallel.pp=1"),
+    (dict(tp=2, sequence_parallel=True), 2, "data.inputs_length is 63"),
+])
+def test_bad_layouts_are_refused_before_any_process_group(change, world, message):
+    from t5forge.config import ParallelConfig
+
+    model = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=1)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(ParallelConfig(**change), model, inputs_length=63, targets_length=14, world_size=world)
+
+
+def test_cli_reports_a_bad_layout_with_exit_2(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  preset: t5-small\n")
+    code = main(["train", str(config), "train.output_dir=x", "train.max_steps=1", "data.dataset=d",
+                 "data.tokenizer=t", "parallel.tp=2"])
+    assert code == 2
+    assert "are running" in capsys.readouterr().err
