@@ -129,11 +129,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from t5forge.bench.data import run_data_benchmark
-
-    result = run_data_benchmark(args.output_dir, args.work_dir)
-    print((Path(args.output_dir) / "data.md").read_text())
-    print(f"loader/training ratio {result['loader_to_training_ratio']:,.0f}x; wrote {args.output_dir}/data.json, data.md")
+    if args.suite == "data":
+        from t5forge.bench.data import run_data_benchmark as run
+    else:
+        from t5forge.bench.distributed import run_distributed_benchmark as run
+    run(args.output_dir, args.work_dir)
+    print((Path(args.output_dir) / f"{args.suite}.md").read_text())
+    print(f"wrote {args.output_dir}/{args.suite}.json and {args.suite}.md")
     return 0
 
 
@@ -243,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
-    bench.add_argument("suite", choices=["data"], help="data: preprocessing, loader, loader vs training step")
+    bench.add_argument("suite", choices=["data", "distributed"],
+                       help="data: preprocessing, loader, loader vs training step; "
+                            "distributed: per-rank memory of parallel layouts")
     bench.add_argument("--output-dir", default="benchmarks")
     bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
     bench.set_defaults(func=cmd_bench)

@@ -56,8 +56,6 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
         raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
     trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
-    if trainer.mesh.is_main:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
     hooks = default_hooks(trainer, tensorboard=False)
     if "stop_after" in special:
         hooks.append(StopAfter(trainer, int(special["stop_after"])))

@@ -146,6 +146,8 @@ class MetricsWriter:
         self.echo = echo
         self.enabled = enabled
         self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
