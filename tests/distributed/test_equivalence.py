@@ -18,11 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import t5forge
 from t5forge.cli import main
 from t5forge.config import load_config
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.mesh import check_layout
+from t5forge.train.checkpoint import load_model_checkpoint
 from t5forge.train.trainer import train
 
 HERE = Path(__file__).parent
@@ -50,7 +52,11 @@ TWO_RANKS = {
     "tp2_ac_full": "parallel.tp=2;parallel.activation_checkpointing=full",
     "tp2_sp_ac_selective": "parallel.tp=2;parallel.sequence_parallel=true;parallel.activation_checkpointing=selective",
     "resume_tp2": f"parallel.tp=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+    # T5 v1.0: ReLU FFN, head tied to the embedding (and rescaled), which must stay tied when sharded.
+    "tied_tp2": "model.preset=t5-small;parallel.tp=2",
+    "tied_dp2_zero3": "model.preset=t5-small;parallel.dp=2;parallel.zero_stage=3",
 }
+TIED = ["model.preset=t5-small"]
 
 
 def free_port() -> int:
@@ -83,11 +89,11 @@ def run_layouts(args: list[str], cases: dict, dataset_prefix, tokenizer_dir, out
 def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     reference = {}
-    for steps in (3, 6):
-        overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single{steps}"))
-        trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}"]), echo=lambda *_: None,
+    for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED)):
+        overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))
+        trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}", *extra]), echo=lambda *_: None,
                         tensorboard=False)
-        reference[steps] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
+        reference[key] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
     port = free_port()
     run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
@@ -108,7 +114,7 @@ def relative_difference(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS} if not n.startswith(("save", "resume"))])
 def test_layout_trains_like_one_process(layout, results):
     out, reference = results
-    losses, weights = reference[3]
+    losses, weights = reference["tied" if layout.startswith("tied") else 3]
     assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
     trained = load_file(out / f"{layout}.safetensors")
     assert set(trained) <= set(weights)
@@ -147,15 +153,20 @@ def test_cli_launches_processes_and_only_rank_0_reports(dataset_prefix, tokenize
     config = tmp_path / "run.yaml"
     config.write_text("train:\n  max_steps: 2\n")
     overrides = [o for o in base_overrides(dataset_prefix, tokenizer_dir, str(tmp_path / "run"))
-                 if not o.startswith("train.max_steps")]
+                 if not o.startswith(("train.max_steps", "train.export_hf"))]
     result = subprocess.run([sys.executable, "-m", "t5forge", "train", "--nproc-per-node", "2", str(config),
-                             *overrides, "parallel.dp=2"], capture_output=True, text=True,
+                             *overrides, "parallel.dp=2", "parallel.zero_stage=3"], capture_output=True, text=True,
                             env=launch_env(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("iteration: 2/2 ") == 1
     assert result.stdout.count("run directory:") == 1
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+    # The HF export gathered from ZeRO-3 shards holds the weights of the final checkpoint.
+    exported = t5forge.from_pretrained(tmp_path / "run" / "hf")
+    final = load_model_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002")
+    for (name, a), b in zip(exported.state_dict().items(), final.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("change, world, message", [
