@@ -19,6 +19,12 @@ def tiny(**overrides) -> T5Config:
     return T5Config(**{**base, **overrides})
 
 
+def initialised(seed: int, **overrides) -> T5ForConditionalGeneration:
+    model = T5ForConditionalGeneration(tiny(**overrides))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
 def random_batch(vocab: int, batch: int = 16, source_len: int = 48, target_len: int = 12):
     g = torch.Generator().manual_seed(0)
     return dict(input_ids=torch.randint(2, vocab, (batch, source_len), generator=g),
@@ -69,9 +75,7 @@ def test_init_weights_uses_mesh_tf_standard_deviations():
 
 
 def test_padding_does_not_change_real_positions():
-    model = T5ForConditionalGeneration(tiny())
-    model.init_weights(torch.Generator().manual_seed(2))
-    model.eval()
+    model = initialised(2)
     ids = torch.randint(2, 512, (1, 10))
     labels = torch.randint(2, 512, (1, 6))
     alone = model(input_ids=ids, labels=labels).logits
@@ -82,9 +86,7 @@ def test_padding_does_not_change_real_positions():
 
 
 def test_decoder_is_causal():
-    model = T5ForConditionalGeneration(tiny())
-    model.init_weights(torch.Generator().manual_seed(3))
-    model.eval()
+    model = initialised(3)
     ids = torch.randint(2, 512, (2, 9))
     dec = torch.randint(2, 512, (2, 7))
     changed = dec.clone()
@@ -96,9 +98,7 @@ def test_decoder_is_causal():
 
 
 def test_loss_ignores_minus_100_and_labels_shift_right():
-    model = T5ForConditionalGeneration(tiny())
-    model.init_weights(torch.Generator().manual_seed(4))
-    model.eval()
+    model = initialised(4)
     ids = torch.randint(2, 512, (2, 9))
     labels = torch.randint(2, 512, (2, 5))
     labels[1, 3:] = -100
