@@ -132,10 +132,10 @@ def test_run_directory_holds_metrics_checkpoints_curve_and_an_hf_export(tmp_path
     pattern = (r"iteration: \d+/6 consumed_samples: \d+ loss: [\d.]+ time: [\d.]+ s/iter data_time: [\d.]+ s/iter "
                r"throughput: [\d.]+ samples/s tokens/s: \d+ tflops: [\d.]+ mfu: [\d.]+% mem: \d+ MiB lr: [\d.e+-]+ "
                r"eta: \d+:\d\d:\d\d")
-    assert len([line for line in lines if re.fullmatch(pattern, line)]) == 3, lines
+    assert len([line for line in lines if re.fullmatch(pattern, line)]) == 4, lines
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
-    assert [r["iteration"] for r in train_records] == [2, 4, 6]
+    assert [r["iteration"] for r in train_records] == [1, 2, 4, 6]
     assert set(train_records[0]) >= {"iteration", "consumed_samples", "loss", "lr", "samples_per_s", "tokens_per_s",
                                      "tflops", "mfu", "mem_mib", "time_s", "data_time_s", "skipped_steps"}
     assert train_records[-1]["consumed_samples"] == 24

@@ -412,7 +412,8 @@ class LogHook(Hook):
         self.period_time += step_time
         self.period_data_time += data_time
         self.step_times.append(step_time)
-        if t.state.step % t.run.train.log_period and t.state.step != t.max_steps:
+        # Every log_period steps, and the first and last step (the first shows the starting loss).
+        if t.state.step % t.run.train.log_period and t.state.step not in (1, t.max_steps):
             return
         steps = len(self.period_losses)
         per_iter = self.period_time / steps
