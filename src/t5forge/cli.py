@@ -72,7 +72,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from t5forge.errors import CheckpointError
     from t5forge.models.hf import from_pretrained, save_pretrained
-    from t5forge.train.checkpoint import is_dcp_checkpoint, load_model_checkpoint, save_model_checkpoint
+    from t5forge.train.checkpoint import (
+        is_dcp_checkpoint,
+        load_model_checkpoint,
+        save_model_checkpoint,
+    )
 
     src, dst = Path(args.source), Path(args.output)
     if not src.exists():
@@ -111,7 +115,13 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     from t5forge.data.preprocess import preprocess
 

@@ -10,8 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from t5forge.errors import ConfigError
 
@@ -132,30 +137,27 @@ def _explain(e: OmegaConfBaseException, source: str) -> ConfigError:
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
     """Schema defaults, then the YAML file, then `key=value` overrides; validated and checked."""
     config = OmegaConf.structured(RunConfig)
-    try:
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            try:
-                config = OmegaConf.merge(config, OmegaConf.load(path))
-            except OmegaConfBaseException as e:
-                raise _explain(e, str(path)) from None
-            except Exception as e:  # yaml's parser errors
-                raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not key=value (for example train.max_steps=100)")
-            try:
-                config = OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
-            except OmegaConfBaseException as e:
-                raise _explain(e, f"override {item!r}") from None
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
         try:
-            run: RunConfig = OmegaConf.to_object(config)
+            config = OmegaConf.merge(config, OmegaConf.load(path))
         except OmegaConfBaseException as e:
-            raise _explain(e, str(path or "config")) from None
-    except ConfigError:
-        raise
+            raise _explain(e, str(path)) from None
+        except Exception as e:  # yaml's parser errors
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (for example train.max_steps=100)")
+        try:
+            config = OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _explain(e, f"override {item!r}") from None
+    try:
+        run: RunConfig = OmegaConf.to_object(config)
+    except OmegaConfBaseException as e:
+        raise _explain(e, str(path or "config")) from None
     check_config(run)
     return run
 

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
 from t5forge.config import load_config
 from t5forge.train.trainer import Hook, Trainer, default_hooks

@@ -11,7 +11,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from t5forge.config import OptimConfig
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.train.metrics import StepMetrics, format_eta, forward_flops_per_sample, training_flops_per_sample
+from t5forge.train.metrics import (
+    StepMetrics,
+    format_eta,
+    forward_flops_per_sample,
+    training_flops_per_sample,
+)
 from t5forge.train.optim import lr_factor, parameter_groups
 
 

@@ -12,8 +12,8 @@ from hf_reference import load_hf_model
 
 from t5forge.cli import main
 from t5forge.config import load_config
-from t5forge.errors import CheckpointError, ConfigError
 from t5forge.data.loader import collate
+from t5forge.errors import CheckpointError, ConfigError
 from t5forge.train.trainer import Trainer, default_hooks, train
 
 TINY_MODEL = [

@@ -43,7 +43,14 @@ def _t5_pipeline(vocab: list[tuple[str, float]], charsmap: bytes | None, unk_id:
     Unigram pieces + scores and SentencePiece's precompiled normaliser. Built in Python even when a
     tokenizer.json exists, as transformers does: a Unigram deserialised by `Tokenizer.from_file` breaks
     score ties differently from one constructed from the same list."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from tokenizers.models import Unigram
 
     tokenizer = Tokenizer(Unigram(vocab, unk_id=unk_id, byte_fallback=False))

@@ -21,7 +21,13 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from t5forge.errors import CheckpointError
 from t5forge.fileio import atomic_directory
-from t5forge.models.hf import build_model, config_from_hf, config_to_hf, hf_state_dict, read_hf_config
+from t5forge.models.hf import (
+    build_model,
+    config_from_hf,
+    config_to_hf,
+    hf_state_dict,
+    read_hf_config,
+)
 from t5forge.models.t5 import T5ForConditionalGeneration
 
 MODEL_PREFIX = "model."
@@ -33,7 +39,8 @@ def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
 
 @contextlib.contextmanager
 def _single_process_dcp():
-    # DCP warns when it runs without a process group; single-process use is intended here.
+    # DCP warns when it runs without a process group (model-only checkpoints are read and written by
+    # one process: convert, eval); that use is intended.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
         yield

@@ -24,24 +24,45 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from t5forge.config import RunConfig, batch_arithmetic, config_as_dict, load_config, to_yaml
+from t5forge.config import (
+    RunConfig,
+    batch_arithmetic,
+    config_as_dict,
+    load_config,
+    to_yaml,
+)
 from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
+from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import from_pretrained
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.parallel.activation_checkpoint import apply_ac
-from t5forge.parallel.data_parallel import Zero1Partition, all_reduce_gradients, apply_fsdp, unique_parameters
+from t5forge.parallel.data_parallel import (
+    Zero1Partition,
+    all_reduce_gradients,
+    apply_fsdp,
+    unique_parameters,
+)
 from t5forge.parallel.mesh import Mesh, build_mesh, check_layout, world_size_from_env
 from t5forge.parallel.tensor_parallel import apply_tp
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
-    MetricsWriter, StepMetrics, peak_flops, peak_memory_mib, plot_loss_curve, training_flops_per_sample,
+    MetricsWriter,
+    StepMetrics,
+    peak_flops,
+    peak_memory_mib,
+    plot_loss_curve,
+    training_flops_per_sample,
 )
-from t5forge.train.optim import LossScaler, build_optimizer, build_scheduler, clip_grad_norm
+from t5forge.train.optim import (
+    LossScaler,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+)
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Keys that may change when a run is resumed; any other difference means another run.
@@ -490,7 +511,10 @@ class CheckpointHook(Hook):
 
     def export_hf(self) -> None:
         """Gather the full model from any layout (a collective) and write it, with the tokenizer, on rank 0."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         from t5forge.fileio import atomic_directory
         from t5forge.models.hf import build_model as model_from_state
