@@ -172,7 +172,6 @@ def test_cli_launches_processes_and_only_rank_0_reports(dataset_prefix, tokenize
 @pytest.mark.parametrize("change, world, message", [
     (dict(dp=2, tp=2), 2, r"dp x tp x pp = 2 x 2 x 1 = 4, but 2 process"),
     (dict(tp=3), 3, "num_heads=4 is not divisible by parallel.tp=3"),
-    (dict(dp=2, zero_stage=4), 2, "zero_stage must be 0, 1, 2 or 3"),
     (dict(zero_stage=2), 1, "parallel.dp=1 has none"),
     (dict(pp=2), 2, "set parallel.pp=1"),
     (dict(tp=2, sequence_parallel=True), 2, "data.inputs_length is 63"),
@@ -183,6 +182,12 @@ def test_bad_layouts_are_refused_before_any_process_group(change, world, message
     model = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=1)
     with pytest.raises(ConfigError, match=message):
         check_layout(ParallelConfig(**change), model, inputs_length=63, targets_length=14, world_size=world)
+
+
+def test_zero_stage_out_of_range_is_a_config_error():
+    with pytest.raises(ConfigError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
+        load_config(None, ["model.preset=t5-small", "train.output_dir=x", "train.max_steps=1", "data.dataset=d",
+                           "data.tokenizer=t", "parallel.zero_stage=4"])
 
 
 def test_cli_reports_a_bad_layout_with_exit_2(tmp_path, capsys):
