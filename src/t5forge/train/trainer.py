@@ -210,10 +210,23 @@ class Trainer:
                 f"data.targets_length={d.targets_length} does not follow from inputs_length={d.inputs_length}, "
                 f"noise_density={d.noise_density}, mean_noise_span_length={d.mean_noise_span_length}: span "
                 f"corruption gives {self.targets_length} targets; remove data.targets_length or set it to that")
+        self.max_steps = run.train.max_steps or run.train.max_samples // self.global_batch_size
+        if self.max_steps < 1:
+            raise ConfigError(f"train.max_samples={run.train.max_samples} is less than one global batch "
+                              f"({self.global_batch_size}); raise it")
 
         self.mesh = build_mesh(run.parallel)
-        self.device = self.mesh.device
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
+        try:
+            self._build()
+        except BaseException:
+            self.mesh.close()  # a refused run leaves no process group behind
+            raise
+
+    def _build(self) -> None:
+        """Everything that needs the mesh: data, model on the mesh, optimizer, and a resumed state."""
+        run, d = self.run, self.run.data
+        self.device = self.mesh.device
         if self.device.type == "cpu":
             # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and
             # are ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
@@ -233,10 +246,6 @@ class Trainer:
                 f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
         self.model = self.parallelize(build_model(run, self.model_config, self.device))
         self.model.train()
-        self.max_steps = run.train.max_steps or run.train.max_samples // self.global_batch_size
-        if self.max_steps < 1:
-            raise ConfigError(f"train.max_samples={run.train.max_samples} is less than one global batch "
-                              f"({self.global_batch_size}); raise it")
         self.params = unique_parameters(self.model)
         self.zero1 = Zero1Partition(self.params, self.mesh.mesh["dp"]) if run.parallel.zero_stage == 1 else None
         self.optimizer = build_optimizer(self.model, run.optim, only=self.zero1.owned() if self.zero1 else None)
