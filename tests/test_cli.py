@@ -16,10 +16,13 @@ from t5forge.cli import main
 TINY = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_heads=2, num_layers=2, num_decoder_layers=3)
 
 
-@pytest.fixture(scope="module", params=["v1.0-fp32", "v1.1-bf16", "umt5-fp32"])
+@pytest.fixture(scope="module", params=["v1.0-fp32", "v1.1-bf16", "umt5-fp32", "v1.1-tied-by-transformers-5"])
 def hf_dir(request, tmp_path_factory):
     if request.param == "v1.0-fp32":
         hf = build_hf_model(model_type="t5", feed_forward_proj="relu", **TINY)
+    elif request.param == "v1.1-tied-by-transformers-5":
+        # transformers 5.x ties the head even with tie_word_embeddings=False (and only drops the rescale).
+        hf = build_hf_model(model_type="t5", feed_forward_proj="gated-gelu", tie_word_embeddings=False, **TINY)
     elif request.param == "v1.1-bf16":
         hf = build_hf_model(model_type="t5", untied=True, feed_forward_proj="gated-gelu", **TINY).bfloat16()
     else:
@@ -44,9 +47,12 @@ def test_convert_round_trips_an_hf_directory_bit_exactly(hf_dir, tmp_path, capsy
 
     before = json.loads((hf_dir / "config.json").read_text())
     after = json.loads((tmp_path / "hf" / "config.json").read_text())
-    # transformers 5.x always writes tie_word_embeddings=true; we write what 4.x needs (see models/hf.py).
-    for key in set(before) - {"transformers_version", "tie_word_embeddings"}:
-        assert after[key] == before[key], key
+    # transformers 5.x writes tie_word_embeddings=true even for untied heads; we write what the weights
+    # are (false when lm_head.weight is its own tensor), which transformers 4.x needs.
+    untied = "lm_head.weight" in original
+    for key in set(before) - {"transformers_version"}:
+        expected = False if key == "tie_word_embeddings" and untied else before[key]
+        assert after[key] == expected, key
 
 
 def test_convert_hf_to_hf_with_dtype_and_shards(hf_dir, tmp_path):

@@ -28,6 +28,9 @@ CASES = {
     "umt5-far-buckets": dict(model_type="umt5", untied=True, num_layers=2,
                              relative_attention_num_buckets=12, relative_attention_max_distance=20),
     "t5-gated-silu-tied": dict(model_type="t5", feed_forward_proj="gated-silu", num_layers=2),
+    # What transformers 5.x builds from tie_word_embeddings=False: a tied head without the rescale.
+    "t5-v1.1-tied-unscaled": dict(model_type="t5", feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                  num_layers=2),
 }
 
 
@@ -136,3 +139,19 @@ def test_long_sequences_with_default_buckets_match_transformers(tmp_path):
     ref_grads = dict(hf.named_parameters())
     for n, p in ours.named_parameters():
         assert_close_per_element(p.grad, ref_grads[n].grad, f"long grad {n}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_loading_matches_transformers(dtype, tmp_path):
+    # In fp16 transformers keeps DenseReluDense.wo in fp32; the loaders must agree on every dtype.
+    hf = build_hf_model(model_type="t5", untied=True, feed_forward_proj="gated-gelu", num_layers=2, **SMALL)
+    hf.save_pretrained(tmp_path)
+    reference = type(hf).from_pretrained(tmp_path, dtype=dtype).eval()
+    ours = t5forge.from_pretrained(tmp_path, dtype=dtype)
+    ref_state = reference.state_dict()
+    for key, tensor in ours.state_dict().items():
+        assert tensor.dtype == ref_state[key].dtype, key
+    batch = make_batch(ours.config.vocab_size, source_len=20, target_len=9)
+    with torch.no_grad():
+        ref, out = reference(**batch), ours(**batch)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)

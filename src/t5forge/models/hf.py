@@ -4,10 +4,11 @@ The one place that knows how HF spells T5 configs and weights:
 - Parameter names are identical to ours, except that HF checkpoints may also carry copies of the
   embedding under `encoder.embed_tokens.weight` / `decoder.embed_tokens.weight`, and old ones an unused
   cross-attention relative bias. Anything else missing, unexpected or mis-shaped is an error.
-- Head tying: a checkpoint without `lm_head.weight` has its head tied to `shared.weight`.
+- Head tying: a checkpoint without `lm_head.weight` has its head tied to `shared.weight`; exports
+  write `lm_head.weight` exactly when the head is untied, so a directory converts back bit for bit.
 - Output rescaling (d_model**-0.5, T5 v1.0): HF 5.x stores it as `scale_decoder_outputs`; HF 4.x (and
-  every published checkpoint) derive it from `tie_word_embeddings`. We read both and write both, and we
-  write `lm_head.weight` whenever the head is not (tied and rescaled), so 4.x and 5.x read exports alike.
+  every published checkpoint) derive it from `tie_word_embeddings`. We read both and write both:
+  `tie_word_embeddings` says whether the head is tied (false for v1.1 / mT5 / UMT5, as 4.x needs).
 """
 
 from __future__ import annotations
@@ -102,8 +103,7 @@ def config_to_hf(config: T5Config, dtype: torch.dtype = torch.float32) -> dict[s
         dense_act_fn=config.dense_act_fn,
         is_gated_act=config.is_gated_act,
         is_encoder_decoder=True,
-        # 4.x reads this as "tie and rescale"; see the module docstring.
-        tie_word_embeddings=config.scale_decoder_outputs,
+        tie_word_embeddings=config.tie_word_embeddings,
         scale_decoder_outputs=config.scale_decoder_outputs,
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -168,6 +168,16 @@ def _summarise(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _load_dtype(key: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The requested dtype, except that in fp16 the FFN output projections stay fp32, as transformers
+    keeps them (`_keep_in_fp32_modules`): T5 v1.1 activations overflow fp16 there."""
+    if dtype is None:
+        return tensor.dtype
+    if dtype == torch.float16 and ".DenseReluDense.wo." in key:
+        return torch.float32
+    return dtype
+
+
 def build_model(
     config: T5Config, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu", source: str = "checkpoint",
@@ -214,7 +224,7 @@ def build_model(
         raise CheckpointError(f"{source} holds non-floating-point (quantized?) tensors: {_summarise(not_float)}")
     if tied:
         state["lm_head.weight"] = state["shared.weight"]
-    state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
+    state = {k: v.to(device=device, dtype=_load_dtype(k, v, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if tied:  # assign=True made two Parameters over one storage; make them one Parameter again
         model.lm_head.weight = model.shared.weight
@@ -231,14 +241,10 @@ def from_pretrained(
 
 
 def hf_state_dict(model: T5ForConditionalGeneration) -> dict[str, torch.Tensor]:
-    """The tensors an HF checkpoint of `model` holds: lm_head.weight is left out only when the head is
-    tied and rescaled (T5 v1.0), the one case that every transformers version reads as tied."""
+    """The tensors an HF checkpoint of `model` holds: `lm_head.weight` only when the head is untied."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    cfg = model.config
-    if cfg.tie_word_embeddings and cfg.scale_decoder_outputs:
+    if model.config.tie_word_embeddings:
         del state["lm_head.weight"]
-    elif cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["lm_head.weight"].clone()  # safetensors refuses shared storage
     return state
 
 
