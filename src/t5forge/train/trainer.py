@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -470,6 +471,33 @@ class LogHook(Hook):
         return memory.item()
 
 
+class ProgressHook(Hook):
+    """A rich progress bar under the log lines on an interactive terminal (rank 0); nothing otherwise,
+    so logs redirected to a file hold only the plain lines."""
+
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+        self.progress = None
+
+    def before_train(self) -> None:
+        if not (self.t.mesh.is_main and sys.stdout.isatty()):
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
+        self.task = self.progress.add_task("training", total=self.t.max_steps, completed=self.t.state.step)
+        self.progress.start()
+
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=self.t.state.step, description=f"loss {loss:.3f}")
+
+    def after_train(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
 class EvalHook(Hook):
     def __init__(self, trainer: Trainer, writer: MetricsWriter):
         self.t, self.writer = trainer, writer
@@ -561,7 +589,8 @@ def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
     writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo,
                            enabled=trainer.mesh.is_main)
     # Order matters at the end: evaluate, then save and export, then plot what was logged.
-    return [LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer), PlotHook(trainer, writer)]
+    return [ProgressHook(trainer), LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer),
+            PlotHook(trainer, writer)]
 
 
 def train(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
