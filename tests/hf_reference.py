@@ -1,7 +1,8 @@
 """Reference models from `transformers` (a test dependency only), built locally with random weights.
 
 transformers 5.x ties `lm_head` to the embedding for every T5 config; real T5 v1.1 / mT5 / UMT5
-checkpoints have their own `lm_head.weight`. `untie_head` rebuilds that layout (see ENVIRONMENT notes)."""
+checkpoints have their own `lm_head.weight`. `untie_head` rebuilds that layout: a new
+Parameter, removed from the model's tied-weights map, saves and reloads untied."""
 
 from __future__ import annotations
 
