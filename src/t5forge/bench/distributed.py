@@ -29,13 +29,9 @@ LAYOUTS = {  # name: (processes, overrides)
 
 
 def _local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
+    from t5forge.parallel.data_parallel import local
 
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
 def worker(config: str, out: str, overrides: list[str]) -> None:

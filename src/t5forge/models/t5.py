@@ -346,10 +346,10 @@ class T5Stack(nn.Module):
     def __init__(self, config: T5Config, is_decoder: bool):
         super().__init__()
         self.is_decoder = is_decoder
-        self.per_layer_bias = config.relative_bias_per_layer
         num_blocks = config.num_decoder_layers if is_decoder else config.num_layers
         self.block = nn.ModuleList(
-            T5Block(config, has_relative_attention_bias=self.per_layer_bias or i == 0, is_decoder=is_decoder)
+            T5Block(config, has_relative_attention_bias=config.relative_bias_per_layer or i == 0,
+                    is_decoder=is_decoder)
             for i in range(num_blocks)
         )
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)

@@ -498,51 +498,53 @@ class ProgressHook(Hook):
             self.progress.stop()
 
 
-class EvalHook(Hook):
-    def __init__(self, trainer: Trainer, writer: MetricsWriter):
-        self.t, self.writer = trainer, writer
+class PeriodicHook(Hook):
+    """Runs `act()` every `period` steps (0: never) and once more at the end, at most once per step."""
+
+    def __init__(self, trainer: Trainer, period: int):
+        self.t, self.period = trainer, period
         self.last_step = -1
 
-    def evaluate(self) -> None:
+    def act(self) -> None: ...
+
+    def run(self) -> None:
+        if self.last_step != self.t.state.step:
+            self.last_step = self.t.state.step
+            self.act()
+
+    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+        if self.period and self.t.state.step % self.period == 0:
+            self.run()
+
+    def after_train(self) -> None:
+        self.run()
+
+
+class EvalHook(PeriodicHook):
+    def __init__(self, trainer: Trainer, writer: MetricsWriter):
+        super().__init__(trainer, trainer.run.train.eval_period)
+        self.writer = writer
+
+    def act(self) -> None:
         t = self.t
-        if self.last_step == t.state.step:
-            return
         result = evaluate(t.model, t.data.valid, t.run.train.micro_batch_size, t.run.train.eval_samples, t.device,
                           t.run.precision.dtype, mesh=t.mesh)
-        self.last_step = t.state.step
         self.writer.write(
             {"iteration": t.state.step, "consumed_samples": t.state.consumed_samples, "valid_loss": result["loss"],
              "valid_perplexity": result["perplexity"], "valid_accuracy": result["accuracy"]},
             f"validation at iteration {t.state.step}: loss {result['loss']:.3f} perplexity "
             f"{result['perplexity']:.1f} token accuracy {100 * result['accuracy']:.1f}%")
 
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
-        period = self.t.run.train.eval_period
-        if period and self.t.state.step % period == 0:
-            self.evaluate()
 
-    def after_train(self) -> None:
-        self.evaluate()
-
-
-class CheckpointHook(Hook):
+class CheckpointHook(PeriodicHook):
     def __init__(self, trainer: Trainer):
-        self.t = trainer
-        self.last_step = -1
+        super().__init__(trainer, trainer.run.train.save_period)
 
-    def save(self) -> None:
-        if self.last_step != self.t.state.step:
-            path = self.t.save()
-            self.last_step = self.t.state.step
-            self.t.echo(f"saved checkpoint {path}")
-
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
-        period = self.t.run.train.save_period
-        if period and self.t.state.step % period == 0:
-            self.save()
+    def act(self) -> None:
+        self.t.echo(f"saved checkpoint {self.t.save()}")
 
     def after_train(self) -> None:
-        self.save()
+        super().after_train()
         if self.t.run.train.export_hf:
             self.export_hf()
 
