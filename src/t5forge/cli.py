@@ -167,6 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from t5forge.train.trainer import train
 
     run = load_config(args.config, args.overrides)
+    configure_cpu_training()
     trainer = train(run)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run directory: {trainer.run_dir}")
@@ -264,9 +265,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_process() -> None:
+    """Process-wide settings, made here once (library code never changes them)."""
+    import os
+
+    # Our preprocessing workers are the parallelism; tokenizers' own thread pool would fight them.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def configure_cpu_training() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and are
+        # ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
+        torch.set_flush_denormal(True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from t5forge.errors import T5ForgeError
+
+    configure_process()
 
     try:
         return args.func(args)

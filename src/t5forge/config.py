@@ -56,6 +56,7 @@ class TrainConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | never | a checkpoint directory
     export_hf: bool = True  # write RUN_DIR/hf at the end
+    compile: bool = False  # torch.compile every block (first step logs the compile time)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class ParallelConfig:
     zero_stage: int = 0
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
+    overlap_grad_reduce: bool = True  # ZeRO 0/1: reduce gradient buckets during the backward pass
 
 
 @dataclass

@@ -3,17 +3,21 @@ launch (process start-up is the expensive part), and write each layout's losses 
 
     torchrun --nproc-per-node N tests/distributed/layouts.py DATA TOKENIZER OUT CASE [CASE ...]
 
-CASE is NAME=override;override;... with config overrides, plus two test-only words: `stop_after=K`
-(stop after step K, as a killed job would) and `fail_on_rank=R` (rank R raises before training, to see
-that the job comes down instead of hanging). Rank 0 writes OUT/NAME.json (losses) and
-OUT/NAME.safetensors (the full trained weights, gathered from the layout)."""
+CASE is NAME=override;override;... with config overrides, plus test-only words: `stop_after=K` (stop
+after step K, as a killed job would), `fail_on_rank=R` (rank R raises before training, to see that the
+job comes down instead of hanging), `initial_only=1` (no training: the weights as built) and `audit=1`
+(record the device of every tensor handed to a collective and the host reads of every step). Rank 0
+writes OUT/NAME.json (losses, and the audit of every rank) and OUT/NAME.safetensors (the full weights,
+gathered from the layout)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
@@ -21,8 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from t5forge.config import load_config
 from t5forge.train.trainer import Hook, Trainer, default_hooks
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: shared test helpers
+from host_reads import count_host_reads_per_step  # noqa: E402
 
 TINY = [
     "model.preset=t5-v1_1-small", "model.overrides.vocab_size=2176", "model.overrides.d_model=32",
@@ -46,15 +55,57 @@ class StopAfter(Hook):
     def __init__(self, trainer: Trainer, step: int):
         self.trainer, self.step = trainer, step
 
-    def after_step(self, *args) -> None:
-        if self.trainer.state.step == self.step:
+    def after_step(self, info) -> None:
+        if info.step == self.step:
             raise Stop
+
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
+                "reduce_scatter", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+class CollectiveDevices(TorchDispatchMode):
+    """Records (collective, device type) for every tensor handed to torch.distributed's collectives
+    (FSDP2, our data-parallel code, the trainer) and to functional collectives (DTensor's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: Counter = Counter()
+        self.originals = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    self.seen[(f"functional.{func.__name__.split('.')[0]}", arg.device.type)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in _COLLECTIVES:
+            original = getattr(dist, name)
+            self.originals[name] = original
+
+            def wrapper(*args, _name=name, _original=original, **kwargs):
+                for arg in list(args) + list(kwargs.values()):
+                    for tensor in (arg if isinstance(arg, (list, tuple)) else [arg]):
+                        if isinstance(tensor, torch.Tensor):
+                            self.seen[(_name, tensor.device.type)] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+        return super().__exit__(*exc)
 
 
 def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     name, _, extra = case.partition("=")
     words = [o for o in extra.split(";") if o]
-    special = dict(w.split("=") for w in words if w.split("=")[0] in ("stop_after", "fail_on_rank"))
+    special = dict(w.split("=") for w in words
+                   if w.split("=")[0] in ("stop_after", "fail_on_rank", "initial_only", "audit"))
     overrides = base_overrides(data, tokenizer, str(out / name)) + [w for w in words if w.split("=")[0] not in special]
     if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
         raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
@@ -62,13 +113,22 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     hooks = default_hooks(trainer, tensorboard=False)
     if "stop_after" in special:
         hooks.append(StopAfter(trainer, int(special["stop_after"])))
+    audit = {}
     try:
-        trainer.run_training(hooks)
+        if "audit" in special:
+            with CollectiveDevices() as devices:
+                reads = count_host_reads_per_step(trainer, hooks)
+            audit = {"devices": sorted({f"{op}:{device}" for op, device in devices.seen}), "device": str(trainer.device),
+                     "host_reads": {step: calls for step, calls in reads.items() if not trainer.is_log_step(step)}}
+        elif "initial_only" not in special:
+            trainer.run_training(hooks)
     except Stop:
         pass
+    audits = [None] * dist.get_world_size()
+    dist.all_gather_object(audits, audit)
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.mesh.is_main:
-        (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses, "audits": audits}))
         tied = trainer.model_config.tie_word_embeddings
         save_file({k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")},
                   out / f"{name}.safetensors")

@@ -1,16 +1,27 @@
 import json
 import shutil
 
+import torch
+
 from t5forge.bench.distributed import run_distributed_benchmark
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
 
-def test_memory_benchmark_measures_each_layout_in_its_own_launch(corpus_file, tokenizer_dir, tmp_path):
+def test_distributed_benchmark_measures_each_layout_in_its_own_launch(corpus_file, tokenizer_dir, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")
+    model = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_heads=4,
+                                                num_layers=1, feed_forward_proj="gated-gelu",
+                                                tie_word_embeddings=False, model_type="mt5"))
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path / "hf")
     layouts = {"single process": (1, []), "dp2, ZeRO-3": (2, ["parallel.dp=2", "parallel.zero_stage=3"])}
-    run_distributed_benchmark(tmp_path / "out", work, layouts=layouts, steps=1)
+    run_distributed_benchmark(
+        tmp_path / "out", work, layouts=layouts, steps=1,
+        overlap_layouts={"dp2, ZeRO-1, overlapped": (2, ["parallel.dp=2", "parallel.zero_stage=1"])}, overlap_steps=2,
+        load_layouts={"dp2, ZeRO-3": (2, ["parallel.dp=2", "parallel.zero_stage=3"])}, load_checkpoint=tmp_path / "hf")
     result = json.loads((tmp_path / "out" / "distributed.json").read_text())
     single = result["layouts"]["single process"]["largest_rank"]
     zero3 = result["layouts"]["dp2, ZeRO-3"]
@@ -18,4 +29,14 @@ def test_memory_benchmark_measures_each_layout_in_its_own_launch(corpus_file, to
     # ZeRO-3 over two ranks holds half of every part of the model state (t5-small splits evenly).
     for key in ("parameters_mib", "gradients_mib", "optimizer_mib"):
         assert abs(zero3["largest_rank"][key] * 2 - single[key]) < 0.01 * single[key], key
-    assert "| dp2, ZeRO-3 | 2 |" in (tmp_path / "out" / "distributed.md").read_text()
+    # ZeRO-1 reduces every gradient element once per step (padding to equal sections at most doubles it).
+    overlap = result["overlap"]["layouts"]["dp2, ZeRO-1, overlapped"]
+    parameters = 60_506_624
+    assert parameters <= overlap["grad_reduced_elements"] < 2 * parameters
+    assert 0 <= overlap["grad_wait_s"] <= overlap["step_s"]
+    # Each of two ZeRO-3 ranks holds half of the loaded model.
+    held = [r["held_mib"] for r in result["loading"]["layouts"]["dp2, ZeRO-3"]["ranks"]]
+    full = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    assert all(abs(h * 2 - full) < 0.01 * full for h in held), (held, full)
+    text = (tmp_path / "out" / "distributed.md").read_text()
+    assert "| dp2, ZeRO-3 | 2 |" in text and "| dp2, ZeRO-1, overlapped |" in text

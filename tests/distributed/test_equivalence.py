@@ -25,7 +25,7 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.mesh import check_layout
 from t5forge.train.checkpoint import load_model_checkpoint
-from t5forge.train.trainer import train
+from t5forge.train.trainer import Trainer, train
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -33,17 +33,24 @@ from layouts import base_overrides  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 CHECKPOINT = "save/checkpoints/step_00000003"
+FROM_HF = "model.preset=null;model.path=OUT/hf_reference"
 FOUR_RANKS = {  # run as two "nodes" of two processes each
     "dp2_tp2": "parallel.dp=2;parallel.tp=2",
     "dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3",
-    "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true",
+    "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;audit=1;"
+                        "train.log_period=3",
+    "audit_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;audit=1;train.log_period=3",
     "dp4_zero2": "parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2",
     "save": "parallel.dp=2;parallel.tp=2;train.max_steps=6;train.save_period=3;stop_after=3",
     "resume_dp4": f"parallel.dp=4;train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+    # Built on the meta device: each rank initialises or loads only its shards.
+    "init_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
+    "hf_dp2_tp2_zero3": f"{FROM_HF};parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
 }
 TWO_RANKS = {
     "dp2": "parallel.dp=2",
-    "dp2_zero1": "parallel.dp=2;parallel.zero_stage=1",
+    "dp2_zero1": "parallel.dp=2;parallel.zero_stage=1;audit=1;train.log_period=3",
+    "audit_dp2_zero0": "parallel.dp=2;audit=1;train.log_period=3;train.global_batch_size=16",
     "dp2_zero2": "parallel.dp=2;parallel.zero_stage=2",
     "dp2_zero3": "parallel.dp=2;parallel.zero_stage=3",
     "dp2_accumulate": "parallel.dp=2;train.micro_batch_size=2",
@@ -55,6 +62,9 @@ TWO_RANKS = {
     # T5 v1.0: ReLU FFN, head tied to the embedding (and rescaled), which must stay tied when sharded.
     "tied_tp2": "model.preset=t5-small;parallel.tp=2",
     "tied_dp2_zero3": "model.preset=t5-small;parallel.dp=2;parallel.zero_stage=3",
+    "init_tp2": "parallel.tp=2;initial_only=1",
+    "init_dp2_zero3": "parallel.dp=2;parallel.zero_stage=3;initial_only=1",
+    "hf_tp2": f"{FROM_HF};parallel.tp=2;initial_only=1",
 }
 TIED = ["model.preset=t5-small"]
 
@@ -89,11 +99,16 @@ def run_layouts(args: list[str], cases: dict, dataset_prefix, tokenizer_dir, out
 def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     reference = {}
+    with Trainer(load_config(None, base_overrides(dataset_prefix, tokenizer_dir, str(out / "initial"))),
+                 echo=lambda *_: None) as trainer:
+        reference["initial"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED)):
         overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))
         trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}", *extra]), echo=lambda *_: None,
                         tensorboard=False)
         reference[key] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
+        if key == 3:  # a trained model as an HF directory, for sharded loading
+            trainer.model.save_pretrained(out / "hf_reference")
     port = free_port()
     run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
@@ -111,7 +126,8 @@ def relative_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS} if not n.startswith(("save", "resume"))])
+@pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS}
+                                    if not n.startswith(("save", "resume", "init", "hf", "audit"))])
 def test_layout_trains_like_one_process(layout, results):
     out, reference = results
     losses, weights = reference["tied" if layout.startswith("tied") else 3]
@@ -120,6 +136,41 @@ def test_layout_trains_like_one_process(layout, results):
     assert set(trained) <= set(weights)
     for name, tensor in trained.items():
         torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
+
+
+@pytest.mark.parametrize("layout", ["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"])
+def test_sharded_initialisation_equals_the_single_process_one(layout, results):
+    out, reference = results
+    built = load_file(out / f"{layout}.safetensors")
+    assert built.keys() == reference["initial"].keys()
+    for name, tensor in reference["initial"].items():
+        assert torch.equal(built[name], tensor), f"{layout}: {name}"
+
+
+@pytest.mark.parametrize("layout", ["hf_tp2", "hf_dp2_tp2_zero3"])
+def test_each_rank_loads_its_slices_of_an_hf_checkpoint(layout, results):
+    out, _ = results
+    stored = load_file(out / "hf_reference" / "model.safetensors")
+    built = load_file(out / f"{layout}.safetensors")
+    assert built.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(built[name], tensor), f"{layout}: {name}"
+
+
+@pytest.mark.parametrize("layout", ["audit_dp2_zero0", "dp2_zero1", "dp2_tp2_zero1_sp", "audit_dp2_tp2_zero3"])
+def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, results):
+    out, _ = results
+    audits = json.loads((out / f"{layout}.json").read_text())["audits"]
+    assert len(audits) in (2, 4)
+    for rank, audit in enumerate(audits):
+        ops = {entry.split(":")[0] for entry in audit["devices"]}
+        # The gradient reduction of the layout and the token/loss sums were seen ...
+        assert "all_reduce" in ops, (layout, rank, audit["devices"])
+        # ... and every tensor handed to a collective lives on the compute device.
+        assert {entry.split(":")[1] for entry in audit["devices"]} == {audit["device"]}, (layout, rank)
+        assert audit["host_reads"] and all(calls == [] for calls in audit["host_reads"].values()), (layout, rank)
+    if "zero1" in layout:
+        assert {"reduce_scatter_tensor", "all_gather_into_tensor"} <= {e.split(":")[0] for e in audits[0]["devices"]}
 
 
 @pytest.mark.parametrize("layout", ["resume_dp4", "resume_tp2", "resume_single"])

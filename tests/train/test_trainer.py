@@ -48,8 +48,8 @@ class CrashAt:
     def before_train(self): ...
     def after_train(self): ...
 
-    def after_step(self, *args):
-        if self.trainer.state.step == self.step:
+    def after_step(self, info):
+        if info.step == self.step:
             raise Crash
 
 
@@ -84,9 +84,9 @@ def test_loss_is_normalised_by_the_tokens_of_the_global_batch(tmp_path, dataset_
 
     with torch.no_grad():
         reference = trainer.model(**whole).loss  # HF-style mean over every valid token of the global batch
-    accumulated = trainer.train_step([first, second])
+    accumulated = float(trainer.train_step([first, second]))
     trainer.model.load_state_dict(start)
-    single = trainer.train_step([whole])
+    single = float(trainer.train_step([whole]))
     assert accumulated == pytest.approx(reference.item(), rel=1e-6)
     assert single == pytest.approx(reference.item(), rel=1e-6)
     for a, b in zip(*grads):
@@ -108,7 +108,7 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_counts_them(tmp_path, dat
     # An initial scale of 2^120 overflows fp16 gradients; each overflow skips the step and halves the scale.
     trainer = quiet_train(run_config(tmp_path, dataset_prefix, tokenizer_dir, "precision.dtype=fp16",
                                      "precision.initial_loss_scale=1.329228e36", "train.max_steps=4"))
-    assert trainer.state.skipped_steps == 4
+    assert int(trainer.loss_scaler.skipped_steps) == 4
     assert all(torch.isfinite(torch.tensor(trainer.state.losses)))
     log = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in log if "skipped_steps" in r] == [1, 2, 3, 4]

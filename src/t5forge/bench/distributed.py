@@ -1,10 +1,16 @@
-"""Per-rank memory of each parallel layout for a t5-small-shaped model: what ZeRO and TP buy.
+"""`t5forge bench distributed`: what the parallel layouts buy, measured, in three parts.
 
-`t5forge bench distributed` runs one torchrun launch per layout (peak memory is a per-process
-high-water mark, so layouts cannot share a process), each training a few steps; every rank reports the
-bytes of its local parameters, gradients and optimizer state (measured from the tensors) and its peak
-memory (peak allocated on GPU, peak resident set on CPU, which includes ~0.5 GB of libraries).
-Writes OUTPUT_DIR/distributed.json and OUTPUT_DIR/distributed.md."""
+1. Memory: per-rank memory of each layout for a t5-small-shaped model (ZeRO, TP). Every rank reports the
+   bytes of its local parameters, gradients and optimizer state (measured from the tensors) and its
+   peak memory (peak allocated on GPU, peak resident set on CPU, which includes ~0.5 GB of libraries).
+2. Overlap: dp2 on a t5-small-shaped model, ZeRO-0 and ZeRO-1, with the gradient reduction overlapped
+   with the backward pass or started after it: step time, and the time the process waits for gradient
+   communication after its backward pass (the exposed part), as a share of the step.
+3. Loading: peak resident memory per rank while building an mT5-XL-shaped model (fewer layers) from a
+   locally generated HF checkpoint, in sharded layouts and in one process (the full size).
+
+One torchrun launch per layout (peak memory is a per-process high-water mark, so layouts cannot share
+a process). Writes OUTPUT_DIR/distributed.json and OUTPUT_DIR/distributed.md."""
 
 from __future__ import annotations
 
@@ -28,6 +34,23 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 
+OVERLAP_LAYOUTS = {  # name: (processes, overrides)
+    "dp2, ZeRO-0, reduce after backward": (2, ["parallel.dp=2", "parallel.overlap_grad_reduce=false"]),
+    "dp2, ZeRO-0, overlapped": (2, ["parallel.dp=2"]),
+    "dp2, ZeRO-1, reduce-scatter after backward": (2, ["parallel.dp=2", "parallel.zero_stage=1",
+                                                       "parallel.overlap_grad_reduce=false"]),
+    "dp2, ZeRO-1, overlapped": (2, ["parallel.dp=2", "parallel.zero_stage=1"]),
+}
+LOAD_LAYOUTS = {
+    "one process (full size)": (1, []),
+    "dp4, ZeRO-3": (4, ["parallel.dp=4", "parallel.zero_stage=3", "train.micro_batch_size=1"]),
+    "dp2 x tp2, ZeRO-0": (4, ["parallel.dp=2", "parallel.tp=2"]),
+}
+# mT5-XL's width (d_model 2048, d_ff 5120, 32 heads, 250112-token vocabulary) with 2 + 2 layers: the
+# embedding and head (1.02B parameters) dominate, as in the real model's largest tensors.
+XL_SHAPE = {"num_layers": 2, "num_decoder_layers": 2}
+
+
 def _local_bytes(tensors) -> int:
     from t5forge.parallel.data_parallel import local
 
@@ -40,25 +63,115 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from t5forge.config import load_config
+    from t5forge.parallel.mesh import process_group_backend
     from t5forge.train.metrics import peak_memory_mib
     from t5forge.train.trainer import Trainer, default_hooks
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(process_group_backend(torch.cuda.is_available()))
     trainer = Trainer(load_config(config, overrides), echo=lambda *_: None)
-    trainer.run_training(default_hooks(trainer, tensorboard=False))
+    timer = StepTimer(trainer)
+    trainer.run_training(default_hooks(trainer, tensorboard=False) + [timer])
     optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
                          if isinstance(v, torch.Tensor) and v.numel() > 1]
     params = _local_bytes(trainer.params)
     report = {"rank": dist.get_rank(), "parameters_mib": params / 2**20,
               # Gradients have the shape of the local parameters (full under ZeRO-0/1, shards under 2/3).
               "gradients_mib": params / 2**20, "optimizer_mib": _local_bytes(optimizer_tensors) / 2**20,
-              "peak_mib": peak_memory_mib(trainer.device)}
+              "peak_mib": peak_memory_mib(trainer.device), **timer.summary()}
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
+class StepTimer:
+    """Wall time of each step and the part of it spent waiting for gradient collectives (log_period=1,
+    so each step ends synchronised). The first step (warm-up) is left out of the summary."""
+
+    def __init__(self, trainer):
+        import time
+
+        self.trainer, self.clock = trainer, time.perf_counter
+        self.steps, self.waits = [], []
+
+    def before_train(self) -> None:
+        self.last, self.last_wait = self.clock(), 0.0
+
+    def after_step(self, info) -> None:
+        now = self.clock()
+        wait = self.trainer.grad_sync.wait_seconds if self.trainer.grad_sync is not None else 0.0
+        self.steps.append(now - self.last)
+        self.waits.append(wait - self.last_wait)
+        self.last, self.last_wait = now, wait
+
+    def after_train(self) -> None: ...
+
+    def summary(self) -> dict:
+        steps, waits = self.steps[1:] or self.steps, self.waits[1:] or self.waits
+        step, wait = sum(steps) / len(steps), sum(waits) / len(waits)
+        elements = self.trainer.grad_sync.communicated_elements() if self.trainer.grad_sync is not None else 0
+        return {"step_s": step, "grad_wait_s": wait, "grad_wait_share": wait / step if step else 0.0,
+                "grad_reduced_elements": elements}
+
+
+def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
+    """Run under torchrun: build the model of `hf_dir` in the layout of `overrides` (meta device, then each
+    rank reads its slices) and report this rank's peak memory and the bytes it holds."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from t5forge.config import load_config
+    from t5forge.parallel.mesh import build_mesh, process_group_backend
+    from t5forge.train.metrics import peak_memory_mib
+    from t5forge.train.trainer import build_model, build_model_config
+
+    dist.init_process_group(process_group_backend(torch.cuda.is_available()))
+    run = load_config(None, ["model.path=" + hf_dir, "data.dataset=unused", "data.tokenizer=unused",
+                             "train.output_dir=unused", "train.max_steps=1", *overrides])
+    before = peak_memory_mib(torch.device("cpu"))
+    mesh = build_mesh(run.parallel)
+    start = time.perf_counter()
+    model = build_model(run, build_model_config(run), mesh)
+    seconds = time.perf_counter() - start
+    report = {"rank": dist.get_rank(), "seconds": seconds, "peak_before_mib": before,
+              "peak_mib": peak_memory_mib(mesh.device), "held_mib": _local_bytes(set(model.parameters())) / 2**20}
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def _launch(module_args: list[str], processes: int, work: Path, name: str) -> list[dict]:
+    """One torchrun launch of this module's worker; returns the ranks' reports."""
+    with tempfile.TemporaryDirectory(dir=work) as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                   "-m", "t5forge.bench.distributed", module_args[0], module_args[1], out, *module_args[2:]]
+        command = [c.replace("OUT", out) for c in command]
+        env = {**os.environ, "TMPDIR": out, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"layout {name!r} failed:\n{done.stderr[-3000:]}")
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+
+def _xl_checkpoint(work: Path) -> Path:
+    """A random mT5-XL-shaped HF directory (XL_SHAPE layers), written once and reused."""
+    import torch
+
+    from t5forge.models.presets import get_preset
+    from t5forge.models.t5 import T5ForConditionalGeneration
+
+    path = work / "mt5-xl-shaped"
+    if not (path / "config.json").is_file():
+        model = T5ForConditionalGeneration(get_preset("mt5-xl", **XL_SHAPE))
+        model.init_weights(torch.Generator().manual_seed(0))
+        model.save_pretrained(path)
+    return path
+
+
 def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike,
-                              layouts: dict = LAYOUTS, steps: int = 2) -> dict:
+                              layouts: dict = LAYOUTS, steps: int = 2, overlap_layouts: dict = OVERLAP_LAYOUTS,
+                              overlap_steps: int = 4, load_layouts: dict = LOAD_LAYOUTS,
+                              load_checkpoint: str | os.PathLike | None = None) -> dict:
+    """All three parts; `load_checkpoint` replaces the generated mT5-XL-shaped checkpoint (tests)."""
     from t5forge.bench.data import _machine, _prepare
     from t5forge.data.preprocess import preprocess
     from t5forge.fileio import write_text_atomic
@@ -75,22 +188,32 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
         f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  inputs_length: 512\n  num_workers: 0\n"
         f"train:\n  micro_batch_size: 2\n  global_batch_size: 4\n  max_steps: {steps}\n  log_period: 1\n"
         "  eval_period: 0\n  save_period: 0\n  export_hf: false\n  resume: never\n")
-    results = {}
+    results, overlap, loading = {}, {}, {}
     for name, (processes, overrides) in layouts.items():
-        with tempfile.TemporaryDirectory(dir=work) as out:
-            run_dir = Path(out) / "run"
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={processes}", "-m", "t5forge.bench.distributed", "worker",
-                       str(config), out, f"train.output_dir={run_dir}", *overrides]
-            env = {**os.environ, "TMPDIR": out, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            if done.returncode != 0:
-                raise RuntimeError(f"layout {name!r} failed:\n{done.stderr[-3000:]}")
-            ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+        ranks = _launch(["worker", str(config), "train.output_dir=OUT/run", *overrides], processes, work, name)
         results[name] = {"processes": processes, "overrides": overrides,
                          "largest_rank": max(ranks, key=lambda r: r["peak_mib"]), "ranks": ranks}
+    for name, (processes, overrides) in overlap_layouts.items():
+        ranks = _launch(["worker", str(config), "train.output_dir=OUT/run", f"train.max_steps={overlap_steps}",
+                         *overrides], processes, work, name)
+        overlap[name] = {"processes": processes, "overrides": overrides, "ranks": ranks,
+                         "step_s": max(r["step_s"] for r in ranks), "grad_wait_s": max(r["grad_wait_s"] for r in ranks),
+                         "grad_wait_share": max(r["grad_wait_share"] for r in ranks),
+                         "grad_reduced_elements": ranks[0]["grad_reduced_elements"]}
+    if load_layouts:
+        checkpoint = Path(load_checkpoint) if load_checkpoint else _xl_checkpoint(work)
+        files = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+        for name, (processes, overrides) in load_layouts.items():
+            ranks = _launch(["load-worker", str(checkpoint), *overrides], processes, work, name)
+            loading[name] = {"processes": processes, "overrides": overrides, "ranks": ranks,
+                             "largest_rank": max(ranks, key=lambda r: r["peak_mib"])}
+        described = (f"mT5-XL width, {XL_SHAPE['num_layers']}+{XL_SHAPE['num_decoder_layers']} layers"
+                     if not load_checkpoint else str(checkpoint))
+        loading = {"checkpoint": described,
+                   "checkpoint_mib": files / 2**20, "layouts": loading}
     result = {"machine": _machine(), "model": "t5-small (60.5M parameters, fp32, AdamW)",
-              "batch": "global 4 x (512 -> 114 tokens)", "steps": steps, "layouts": results}
+              "batch": "global 4 x (512 -> 114 tokens)", "steps": steps, "layouts": results,
+              "overlap": {"steps": overlap_steps, "layouts": overlap}, "loading": loading}
     out_dir = Path(output_dir)
     write_text_atomic(out_dir / "distributed.json", json.dumps(result, indent=2) + "\n")
     write_text_atomic(out_dir / "distributed.md", render_markdown(result))
@@ -100,15 +223,17 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
 def render_markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
-        "# Per-rank memory of parallel layouts",
+        "# Parallel layouts: memory, overlap, loading",
         "",
-        f"Measured with `t5forge bench distributed` on {m['cpu']} ({m['cores']} cores, gloo), torch {m['torch']}: "
-        f"{r['model']}, {r['batch']}, {r['steps']} steps per layout, one torchrun launch per layout.",
+        f"Measured with `t5forge bench distributed` on {m['cpu']} ({m['cores']} cores, gloo), torch {m['torch']}. "
+        "One torchrun launch per row.",
         "",
-        "Model-state columns are measured from each rank's local tensors (gradients have the shape of the "
-        "local parameters). Peak is the process's peak resident set on a CPU (peak allocated on a GPU); "
-        "on a CPU it includes about 0.5 GB of libraries and the activations, so differences between rows "
-        "are what the layout changes.",
+        "## Per-rank memory",
+        "",
+        f"{r['model']}, {r['batch']}, {r['steps']} steps per layout. Model-state columns are measured from each "
+        "rank's local tensors (gradients have the shape of the local parameters). Peak is the process's peak "
+        "resident set on a CPU (peak allocated on a GPU); on a CPU it includes about 0.5 GB of libraries and the "
+        "activations, so differences between rows are what the layout changes.",
         "",
         "| layout | processes | parameters MiB | gradients MiB | optimizer MiB | model state MiB | peak MiB (largest rank) |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -120,15 +245,53 @@ def render_markdown(r: dict) -> str:
                      f"{rank['optimizer_mib']:.1f} | {state:.1f} | {rank['peak_mib']:.0f} |")
     lines += ["", "ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters "
               "between uses; tensor parallelism splits all three and the activations of attention and FFN; "
-              "sequence parallelism also splits the norm and dropout activations. Commands: "
-              "`t5forge bench distributed` (all rows), or per row "
-              "`torchrun --standalone --nproc-per-node N -m t5forge.bench.distributed worker CONFIG OUT key=value ...`.",
-              ""]
+              "sequence parallelism also splits the norm and dropout activations.", ""]
+    overlap = r.get("overlap", {}).get("layouts", {})
+    if overlap:
+        lines += [
+            "## Gradient communication: exposed time",
+            "",
+            f"Same model and batch, {r['overlap']['steps']} steps, the first left out. *Waiting* is the time a "
+            "process spends after its last backward pass waiting for the gradient collectives (all-reduce for "
+            "ZeRO-0, reduce-scatter for ZeRO-1, in ~25 MB buckets); with overlap the buckets start during the "
+            "backward pass as soon as their gradients are final. Slowest rank shown. On this CPU the "
+            "collectives (gloo threads) compete with the backward pass for the same 2 cores; on GPUs NCCL "
+            "runs beside the compute.",
+            "",
+            "| layout | step s | waiting for gradients s | share of step | elements reduced per step |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, e in overlap.items():
+            lines.append(f"| {name} | {e['step_s']:.3f} | {e['grad_wait_s']:.3f} | {100 * e['grad_wait_share']:.1f}% | "
+                         f"{e['grad_reduced_elements']:,} |")
+        lines.append("")
+    loading = r.get("loading") or {}
+    if loading:
+        lines += [
+            "## Loading a large checkpoint",
+            "",
+            f"A random HF checkpoint of {loading['checkpoint']} ({loading['checkpoint_mib']:.0f} MiB of fp32 "
+            "safetensors), built into each layout: meta device, parallelise, then every rank reads only the "
+            "slices it holds (`safe_open(...).get_slice`). Peak is the resident set of the process after "
+            "loading (libraries included, ~0.5 GB); *before* is the same process before the model was built.",
+            "",
+            "| layout | processes | held MiB per rank | peak MiB before | peak MiB after (largest rank) | seconds |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, e in loading["layouts"].items():
+            rank = e["largest_rank"]
+            lines.append(f"| {name} | {e['processes']} | {rank['held_mib']:.0f} | {rank['peak_before_mib']:.0f} | "
+                         f"{rank['peak_mib']:.0f} | {rank['seconds']:.1f} |")
+        lines.append("")
+    lines += ["Commands: `t5forge bench distributed` (everything), or per row `torchrun --standalone "
+              "--nproc-per-node N -m t5forge.bench.distributed worker CONFIG OUT key=value ...` (training) and "
+              "`... load-worker HF_DIR OUT key=value ...` (loading).", ""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    if len(sys.argv) >= 4 and sys.argv[1] in ("worker", "load-worker"):
+        (worker if sys.argv[1] == "worker" else load_worker)(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
-        sys.exit("usage: python -m t5forge.bench.distributed worker CONFIG OUT [key=value ...]")
+        sys.exit("usage: python -m t5forge.bench.distributed worker CONFIG OUT [key=value ...]\n"
+                 "       python -m t5forge.bench.distributed load-worker HF_DIR OUT [key=value ...]")

@@ -153,6 +153,7 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
 def build_loader(
     dataset: SpanCorruptionDataset, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
     dp_size: int = 1, total_samples: int | None = None, num_workers: int = 2, prefetch_factor: int = 4,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """Batches for one rank, resumable: a loader built with the same arguments and `consumed_samples`
     yields exactly the batches an uninterrupted loader would have yielded from that point."""
@@ -160,6 +161,7 @@ def build_loader(
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers > 0 else None, persistent_workers=False,
+        pin_memory=pin_memory,  # page-locked batches copy to a GPU without blocking the host
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG, which would
         # shift the dropout stream of a resumed run (samples do not use torch's RNG at all).
         generator=torch.Generator().manual_seed(0),

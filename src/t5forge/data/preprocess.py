@@ -128,6 +128,9 @@ _worker_tokenizer: T5Tokenizer | None = None
 
 def _init_worker(tokenizer_dir: str) -> None:
     global _worker_tokenizer  # one tokenizer per worker process, loaded once
+    # The tokenizers library would start its own thread pool in every worker (a process of ours); the
+    # workers are the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = T5Tokenizer(tokenizer_dir)
 
 
@@ -167,8 +170,6 @@ def preprocess(
     idx_tmp = Path(tempfile.mkstemp(prefix=f".{output_prefix.name}.idx.", dir=output_prefix.parent)[1])
     make_public(bin_tmp)
     make_public(idx_tmp)
-    # The tokenizers library would start its own thread pool in every worker; the workers are the parallelism.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     start = time.perf_counter()
     lengths: list[int] = []
     try:

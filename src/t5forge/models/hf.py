@@ -163,6 +163,107 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     )
 
 
+class HFTensorReader:
+    """The tensors of an HF model directory, read lazily: names and shapes from the file headers, values
+    one region at a time (safetensors `get_slice`; .bin files memory-mapped), so that a rank of a sharded
+    model reads only what it holds. Names are ours (embedding aliases resolved, unused keys dropped)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        path = Path(path)
+        self.path = path
+        self._where: dict[str, tuple[Any, str]] = {}  # our name -> (open file or bin state dict, stored name)
+        if (path / SAFE_WEIGHTS).is_file() or (path / SAFE_INDEX).is_file():
+            files = [path / SAFE_WEIGHTS] if (path / SAFE_WEIGHTS).is_file() else _load_index(path / SAFE_INDEX)
+            for file in files:
+                try:
+                    handle = safe_open(file, framework="pt")
+                except (SafetensorError, OSError, ValueError) as e:
+                    raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or corrupt, copy it "
+                                          "again") from e
+                for key in handle.keys():
+                    self._where[key] = (handle, key)
+        elif (path / BIN_WEIGHTS).is_file() or (path / BIN_INDEX).is_file():
+            files = [path / BIN_WEIGHTS] if (path / BIN_WEIGHTS).is_file() else _load_index(path / BIN_INDEX)
+            for file in files:
+                state = _load_bin(file)  # memory-mapped: tensors are read when sliced
+                for key in state:
+                    self._where[key] = (state, key)
+        else:
+            raise CheckpointError(
+                f"{path} has no weights: expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}")
+        for alias in _EMBEDDING_ALIASES:
+            stored = self._where.pop(alias, None)
+            if stored is not None:
+                self._where.setdefault("shared.weight", stored)
+        for key in _IGNORED_KEYS:
+            self._where.pop(key, None)
+
+    def keys(self) -> list[str]:
+        return sorted(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source, key = self._where[name]
+        if isinstance(source, dict):
+            return tuple(source[key].shape)
+        return tuple(source.get_slice(key).get_shape())
+
+    def dtype_is_float(self, name: str) -> bool:
+        source, key = self._where[name]
+        if isinstance(source, dict):
+            return source[key].is_floating_point()
+        return source.get_slice(key).get_dtype() in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor `name`, or only `region` of it (one slice per dimension)."""
+        source, key = self._where[name]
+        if isinstance(source, dict):
+            tensor = source[key]
+            return (tensor[region] if region else tensor).clone()
+        if region is None:
+            return source.get_tensor(key)
+        return source.get_slice(key)[region]
+
+    def check_against(self, config: T5Config) -> bool:
+        """Raise CheckpointError listing every missing, unexpected or mis-shaped tensor (as `build_model`);
+        returns whether the head is tied (no `lm_head.weight` stored)."""
+        tied = "lm_head.weight" not in self._where or (
+            config.tie_word_embeddings and "shared.weight" in self._where
+            and torch.equal(self.read("lm_head.weight"), self.read("shared.weight")))
+        if tied:
+            self._where.pop("lm_head.weight", None)
+        with torch.device("meta"):
+            model = T5ForConditionalGeneration(T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}))
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        _check_names_and_shapes(expected, {k: self.shape(k) for k in self._where}, config, str(self.path))
+        not_float = [k for k in self._where if not self.dtype_is_float(k)]
+        if not_float:
+            raise CheckpointError(f"{self.path} holds non-floating-point (quantized?) tensors: "
+                                  f"{_summarise(sorted(not_float))}")
+        return tied
+
+
+def _check_names_and_shapes(expected: dict, found: dict, config: T5Config, source: str) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshaped = sorted(f"{k} {tuple(found[k])} (expected {tuple(expected[k])})"
+                       for k in set(expected) & set(found) if tuple(found[k]) != tuple(expected[k]))
+    problems = []
+    if missing:
+        problems.append(f"missing: {_summarise(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {_summarise(unexpected)}")
+    if misshaped:
+        problems.append(f"wrong shape: {_summarise(misshaped)}")
+    if problems:
+        raise CheckpointError(
+            f"{source} does not match its config ({config.model_type}, d_model={config.d_model}, "
+            f"{config.num_layers}+{config.num_decoder_layers} layers): " + "; ".join(problems)
+            + ". Use the config.json that was saved with these weights."
+        )
+
+
 def _summarise(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
@@ -202,23 +303,7 @@ def build_model(
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = sorted(f"{k} {tuple(state[k].shape)} (expected {tuple(expected[k])})"
-                       for k in set(expected) & set(state) if state[k].shape != expected[k])
-    problems = []
-    if missing:
-        problems.append(f"missing: {_summarise(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {_summarise(unexpected)}")
-    if misshaped:
-        problems.append(f"wrong shape: {_summarise(misshaped)}")
-    if problems:
-        raise CheckpointError(
-            f"{source} does not match its config ({config.model_type}, d_model={config.d_model}, "
-            f"{config.num_layers}+{config.num_decoder_layers} layers): " + "; ".join(problems)
-            + ". Use the config.json that was saved with these weights."
-        )
+    _check_names_and_shapes(expected, {k: v.shape for k, v in state.items()}, config, source)
     not_float = sorted(k for k, v in state.items() if not v.is_floating_point())
     if not_float:
         raise CheckpointError(f"{source} holds non-floating-point (quantized?) tensors: {_summarise(not_float)}")
@@ -271,24 +356,58 @@ def save_pretrained(
     """Write config.json + model.safetensors (or shards + index when larger than max_shard_size).
 
     Files appear atomically, config.json last; weight files of an earlier save in `path` are replaced."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
     path = Path(path)
-    state = {k: v.contiguous().cpu() for k, v in hf_state_dict(model).items()}
-    split = split_torch_state_dict_into_shards(state, max_shard_size=parse_size(max_shard_size))
-    with staged_files(path) as staging:
-        for filename, names in split.filename_to_tensors.items():
-            save_file({n: state[n] for n in names}, staging / filename, metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": split.tensor_to_filename}
-            (staging / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
-        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        new_files = {p.name for p in staging.iterdir()}
+    state = hf_state_dict(model)
+    sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    before = {p.name for p in path.glob("*")} if path.is_dir() else set()
+    written = save_pretrained_streamed(model.config, sizes, ((k, v.cpu()) for k, v in state.items()), path,
+                                       dtype=model.shared.weight.dtype, max_shard_size=max_shard_size)
     # Weights of an earlier save that the new one does not overwrite would confuse loaders.
     for old in list(path.glob("model*.safetensors")) + list(path.glob("pytorch_model*.bin")) + [
         path / SAFE_INDEX, path / BIN_INDEX
     ]:
-        if old.name not in new_files and old.is_file():
+        if old.name in before and old.name not in written and old.is_file():
             old.unlink()
+
+
+def save_pretrained_streamed(
+    config: T5Config, sizes: dict[str, int], tensors, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
+) -> set[str]:
+    """Write an HF directory from `tensors`, an iterator of (name, tensor) in the order of `sizes`
+    ({name: bytes}), holding at most one shard in memory: the shard plan comes from the sizes before any
+    tensor arrives (for exports gathered one parameter at a time from a sharded model). A tied
+    `lm_head.weight` is consumed but not written. Files appear atomically, config.json last; returns
+    the names of the files written."""
+    limit = parse_size(max_shard_size)
+    written = [n for n in sizes if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in written:
+        if shards[-1] and used + sizes[name] > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    files = ([SAFE_WEIGHTS] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    shard_of = {name: i for i, names in enumerate(shards) for name in names}
+    path = Path(path)
+    with staged_files(path) as staging:
+        pending: dict[str, torch.Tensor] = {}
+        current = 0
+        for name, tensor in tensors:
+            if name not in shard_of:
+                continue
+            pending[name] = tensor.contiguous()
+            if len(pending) == len(shards[current]):
+                save_file(pending, staging / files[current], metadata={"format": "pt"})
+                pending, current = {}, current + 1
+        if current != len(shards):
+            raise CheckpointError(f"the export of {path} received only {current} of {len(shards)} shards")
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sizes[n] for n in written)},
+                     "weight_map": {n: files[shard_of[n]] for n in written}}
+            (staging / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (staging / "config.json").write_text(json.dumps(config_to_hf(config, dtype=dtype), indent=2) + "\n")
+        return {p.name for p in staging.iterdir()}

@@ -411,35 +411,40 @@ class T5ForConditionalGeneration(nn.Module):
             self.lm_head.weight = self.shared.weight
 
     # -- construction ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Mesh TF / T5X initialisation (HF's `_init_weights`, except that an untied `lm_head` gets std
-        d_model**-0.5 instead of 1.0, so that pretraining from scratch starts near loss ln(vocab))."""
+    def init_plan(self) -> list[tuple[nn.Parameter, str, float]]:
+        """Mesh TF / T5X initialisation as an ordered list of (parameter, "normal" | "fill", std or value):
+        HF's `_init_weights`, except that an untied `lm_head` gets std d_model**-0.5 instead of 1.0, so that
+        pretraining from scratch starts near loss ln(vocab). The order fixes the random stream: whoever
+        applies the plan (here, or t5forge.parallel on sharded parameters) draws the same numbers."""
         cfg, factor = self.config, self.config.initializer_factor
-
-        def normal(p: torch.Tensor, std: float) -> None:
-            p.normal_(mean=0.0, std=factor * std, generator=generator)
-
-        normal(self.shared.weight, 1.0)
+        plan = [(self.shared.weight, "normal", factor * 1.0)]
         if not cfg.tie_word_embeddings:
-            normal(self.lm_head.weight, cfg.d_model**-0.5)
+            plan.append((self.lm_head.weight, "normal", factor * cfg.d_model**-0.5))
         for module in self.modules():
             if isinstance(module, T5LayerNorm):
-                module.weight.fill_(factor)
+                plan.append((module.weight, "fill", factor))
             elif isinstance(module, T5Attention):
-                normal(module.q.weight, (cfg.d_model * cfg.d_kv) ** -0.5)
-                normal(module.k.weight, cfg.d_model**-0.5)
-                normal(module.v.weight, cfg.d_model**-0.5)
-                normal(module.o.weight, (cfg.num_heads * cfg.d_kv) ** -0.5)
+                plan += [(module.q.weight, "normal", factor * (cfg.d_model * cfg.d_kv) ** -0.5),
+                         (module.k.weight, "normal", factor * cfg.d_model**-0.5),
+                         (module.v.weight, "normal", factor * cfg.d_model**-0.5),
+                         (module.o.weight, "normal", factor * (cfg.num_heads * cfg.d_kv) ** -0.5)]
                 if module.has_relative_attention_bias:
-                    normal(module.relative_attention_bias.weight, cfg.d_model**-0.5)
-            elif isinstance(module, T5DenseActDense):
-                normal(module.wi.weight, cfg.d_model**-0.5)
-                normal(module.wo.weight, cfg.d_ff**-0.5)
-            elif isinstance(module, T5DenseGatedActDense):
-                normal(module.wi_0.weight, cfg.d_model**-0.5)
-                normal(module.wi_1.weight, cfg.d_model**-0.5)
-                normal(module.wo.weight, cfg.d_ff**-0.5)
+                    plan.append((module.relative_attention_bias.weight, "normal", factor * cfg.d_model**-0.5))
+            elif isinstance(module, (T5DenseActDense, T5DenseGatedActDense)):
+                inputs = [module.wi] if isinstance(module, T5DenseActDense) else [module.wi_0, module.wi_1]
+                plan += [(linear.weight, "normal", factor * cfg.d_model**-0.5) for linear in inputs]
+                plan.append((module.wo.weight, "normal", factor * cfg.d_ff**-0.5))
+        return plan
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter in place (see `init_plan`). Values are drawn on the CPU, so a model on
+        any device starts from the same weights for the same generator seed."""
+        for param, kind, value in self.init_plan():
+            if kind == "fill":
+                param.fill_(value)
+            else:
+                param.copy_(torch.empty(param.shape, dtype=param.dtype).normal_(0.0, value, generator=generator))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied head counts once)."""

@@ -1,11 +1,14 @@
 """Data parallelism with ZeRO stages 0-3 over the `dp` mesh dimension, composable with tensor parallelism.
 
 What each stage shards across the dp ranks, and when data moves:
-- 0: nothing. Every rank keeps all parameters, gradients and optimizer state; after the backward pass
-     the gradients are all-reduced (averaged) over dp, once per optimizer step.
-- 1: optimizer state. Gradients are all-reduced as in stage 0; each rank updates only the parameters it
-     owns (a contiguous, size-balanced slice of the parameter list) and then broadcasts them to the
-     other dp ranks: optimizer memory / dp.
+- 0: nothing. Every rank keeps all parameters, gradients and optimizer state. Gradients are averaged over
+     dp in buckets of ~25 MB that are all-reduced *during* the backward pass, as soon as every gradient
+     of a bucket is final (DDP's scheme), so communication overlaps the rest of the backward pass.
+- 1: optimizer state (Megatron's distributed optimizer). Each bucket is reduce-scattered instead:
+     every rank receives the averaged gradients of the parameters it owns in that bucket, updates only
+     those, and the buckets of updated parameters are all-gathered afterwards: the bytes of one
+     all-reduce, optimizer memory / dp, and gradient memory of the parameters a rank does not own is
+     freed after the step.
 - 2: optimizer state and gradients (FSDP2 `fully_shard`, reshard_after_forward=False). Parameters are
      all-gathered per block in the forward pass and stay gathered through the backward pass; gradients
      are reduce-scattered, each rank updates its shard.
@@ -13,10 +16,13 @@ What each stage shards across the dp ranks, and when data moves:
      pass and freed after each block, so a rank holds 1/dp of the model between uses.
 
 Stages 0 and 1 are written here rather than with DDP / ZeroRedundancyOptimizer because those take only
-plain tensors: with tensor parallelism the parameters are DTensors, and one code path serves every
-layout. Gradients are averaged over dp in every stage; the trainer scales the loss accordingly."""
+plain tensors: with tensor parallelism the parameters are DTensors (each rank reduces its local shards
+with the same-shard ranks of the other dp replicas), and one code path serves every layout. Gradients
+are averaged over dp in every stage; the trainer scales the loss accordingly."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,47 +63,153 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     return model
 
 
-@torch.no_grad()
-def all_reduce_gradients(params: list[nn.Parameter], dp_group: dist.ProcessGroup, bucket_bytes: int = 25 << 20):
-    """Average the gradients of replicated parameters over dp: flattened buckets of ~25 MB, one
-    all-reduce each (DDP's bucket size), in a fixed order so every rank issues the same collectives."""
-    size = dist.get_world_size(dp_group)
-    if size == 1:
-        return
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    bucket, bucket_size = [], 0
-    for i, grad in enumerate(grads):
-        bucket.append(grad)
-        bucket_size += grad.numel() * grad.element_size()
-        if bucket_size >= bucket_bytes or i == len(grads) - 1:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=dp_group)
-            flat /= size
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, bucket_size = [], 0
+class GradientBuckets:
+    """ZeRO 0/1 gradient reduction over dp, overlapped with the backward pass.
 
+    Parameters are grouped into buckets of about `bucket_bytes`, in reverse registration order (roughly
+    the order in which the backward pass finishes their gradients). A hook on every parameter counts the
+    final gradients of its bucket; a full bucket is flattened and its collective is started
+    asynchronously, in bucket order on every rank (so all ranks issue the same sequence). `finish()`,
+    after the last backward pass of a step, starts what is left (unused parameters), waits, and writes
+    the averaged gradients back. With `overlap=False` every collective starts in `finish()` instead:
+    the same bytes, for measuring what overlap gains.
 
-class Zero1Partition:
-    """Which dp rank owns (updates and broadcasts) each parameter: contiguous slices of the parameter
-    list with balanced element counts."""
+    ZeRO-1 (`shard=True`): in every bucket each parameter has one owner rank (largest first, to the least
+    loaded rank); the flat buffer holds the ranks' sections one after another, each padded to the same
+    length, and is reduce-scattered, so a rank receives exactly its own parameters' gradients. After the
+    optimizer step `all_gather_parameters()` gathers the updated sections in the same layout."""
 
-    def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh):
-        self.params = params
-        self.group = dp_mesh.get_group()
-        self.size, self.rank = dp_mesh.size(), dp_mesh.get_local_rank()
-        total = sum(local(p).numel() for p in params)
-        self.owner, running = [], 0
+    def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup, shard: bool = False,
+                 bucket_bytes: int = 25 << 20, overlap: bool = True):
+        self.group, self.shard, self.overlap = dp_group, shard, overlap
+        self.size, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.sync = True  # False on the micro-batches before the last one of a step
+        self.wait_seconds = 0.0  # host time spent waiting for gradient collectives (the exposed part)
+        params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        current, current_bytes = [], 0
+        for p in reversed(params):
+            current.append(p)
+            current_bytes += local(p).numel() * local(p).element_size()
+            if current_bytes >= bucket_bytes:
+                self.buckets.append(current)
+                current, current_bytes = [], 0
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.layouts = [self._layout(bucket) for bucket in self.buckets]
+        self._reset()
         for p in params:
-            self.owner.append(min(self.size - 1, running * self.size // max(total, 1)))
-            running += local(p).numel()
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def _layout(self, bucket: list[nn.Parameter]) -> dict:
+        """Owner of each parameter and its offset in the flat buffer; section = padded length per rank."""
+        if not self.shard:
+            offsets, total = [], 0
+            for p in bucket:
+                offsets.append(total)
+                total += local(p).numel()
+            return {"owner": [self.rank] * len(bucket), "offset": offsets, "section": total}
+        load = [0] * self.size
+        owner = [0] * len(bucket)
+        for i in sorted(range(len(bucket)), key=lambda i: -local(bucket[i]).numel()):
+            owner[i] = min(range(self.size), key=lambda r: load[r])
+            load[owner[i]] += local(bucket[i]).numel()
+        section = max(load)
+        offsets, filled = [0] * len(bucket), [r * section for r in range(self.size)]
+        for i, p in enumerate(bucket):
+            offsets[i] = filled[owner[i]]
+            filled[owner[i]] += local(p).numel()
+        return {"owner": owner, "offset": offsets, "section": section}
 
     def owned(self) -> list[nn.Parameter]:
-        return [p for p, o in zip(self.params, self.owner) if o == self.rank]
+        """The parameters this rank updates (all of them without sharding)."""
+        return [p for bucket, layout in zip(self.buckets, self.layouts)
+                for p, o in zip(bucket, layout["owner"]) if o == self.rank]
+
+    def communicated_elements(self) -> int:
+        """Elements of the flat buffers reduced per step (padding included): the volume of one all-reduce."""
+        return sum(layout["section"] * (self.size if self.shard else 1) for layout in self.layouts)
+
+    def _reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.launched: list = [None] * len(self.buckets)  # (work, flat buffer) per started bucket
+        self.next_bucket = 0
+
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        if not self.sync or self.size == 1:
+            return
+        i = self.bucket_of[id(param)]
+        self.ready[i] += 1
+        if self.overlap:
+            while self.next_bucket < len(self.buckets) and \
+                    self.ready[self.next_bucket] == len(self.buckets[self.next_bucket]):
+                self._launch(self.next_bucket)
 
     @torch.no_grad()
-    def broadcast_updated(self) -> None:
-        for p, owner in zip(self.params, self.owner):
-            dist.broadcast(local(p), src=dist.get_global_rank(self.group, owner), group=self.group)
+    def _launch(self, i: int) -> None:
+        bucket, layout = self.buckets[i], self.layouts[i]
+        for p in bucket:  # the embedding gradient comes back replicated under TP: keep this rank's rows
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads = [local(p.grad) if p.grad is not None else None for p in bucket]
+        device = next(local(p).device for p in bucket)
+        dtype = next((g.dtype for g in grads if g is not None), torch.float32)
+        length = layout["section"] * (self.size if self.shard else 1)
+        flat = torch.zeros(length, dtype=dtype, device=device)
+        for g, offset in zip(grads, layout["offset"]):
+            if g is not None:
+                flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+        if self.shard:
+            out = torch.empty(layout["section"], dtype=dtype, device=device)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            self.launched[i] = (work, out)
+        else:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self.launched[i] = (work, flat)
+        self.next_bucket = i + 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the last backward pass of the step: every parameter's gradient is averaged over dp (ZeRO-0),
+        or only the owned parameters have one (ZeRO-1; the others' gradients are freed)."""
+        if self.size == 1:
+            return
+        for i in range(self.next_bucket, len(self.buckets)):
+            self._launch(i)
+        start = time.perf_counter()
+        for bucket, layout, (work, flat) in zip(self.buckets, self.layouts, self.launched):
+            work.wait()
+            flat.div_(self.size)
+            base = self.rank * layout["section"] if self.shard else 0
+            for p, owner, offset in zip(bucket, layout["owner"], layout["offset"]):
+                if owner != self.rank:
+                    p.grad = None
+                    continue
+                if p.grad is None:  # unused on this rank, used on another: the average is still due
+                    p.grad = torch.zeros_like(p)
+                g = local(p.grad)
+                g.copy_(flat[offset - base:offset - base + g.numel()].view_as(g))
+        self.wait_seconds += time.perf_counter() - start
+        self._reset()
+
+    @torch.no_grad()
+    def all_gather_parameters(self) -> None:
+        """ZeRO-1, after the optimizer step: every rank receives the parameters the others updated."""
+        if not self.shard or self.size == 1:
+            return
+        pending = []
+        for bucket, layout in zip(self.buckets, self.layouts):
+            data = [local(p.detach()) for p in bucket]
+            section = torch.zeros(layout["section"], dtype=data[0].dtype, device=data[0].device)
+            base = self.rank * layout["section"]
+            for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
+                if owner == self.rank:
+                    section[offset - base:offset - base + d.numel()].copy_(d.reshape(-1))
+            full = torch.empty(layout["section"] * self.size, dtype=section.dtype, device=section.device)
+            pending.append((dist.all_gather_into_tensor(full, section, group=self.group, async_op=True), full, data))
+        for (work, full, data), layout in zip(pending, self.layouts):
+            work.wait()
+            for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
+                if owner != self.rank:
+                    d.copy_(full[offset:offset + d.numel()].view_as(d))

@@ -1,5 +1,7 @@
 """The device mesh: (pp, dp, tp) from the torchrun environment, tp innermost so that a tensor-parallel
-group stays inside one node. NCCL on GPUs, gloo on CPUs. A single process is the 1 x 1 x 1 mesh, built
+group stays inside one node. On GPUs the default process group serves both devices ("cpu:gloo,cuda:nccl"):
+every per-step collective runs on the GPU through NCCL, and the occasional host-side one (a barrier
+around checkpoint files) still works through gloo. gloo alone on CPUs. A single process is the 1 x 1 x 1 mesh, built
 by the same code (a one-rank process group), so nothing downstream has a special case for it.
 
 Every size check happens in `check_layout`, before any process group exists: a bad layout fails with a
@@ -63,29 +65,22 @@ class Mesh:
     device: torch.device
     owns_process_group: bool
 
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
-
-    @property
-    def tp_size(self) -> int:
-        return self.mesh["tp"].size()
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def is_main(self) -> bool:
-        return dist.get_rank() == 0
+    def __post_init__(self) -> None:
+        # Read once: DeviceMesh answers these from a host tensor (tolist), which the step must not touch.
+        dp = self.mesh["dp"]
+        self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
+        self.tp_size = self.mesh["tp"].size()
+        self.rank = dist.get_rank()
+        self.is_main = self.rank == 0
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def process_group_backend(cuda_available: bool) -> str:
+    """The default group's backend: NCCL alone refuses CPU tensors, so GPUs get gloo beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
 
 
 def build_mesh(parallel: ParallelConfig) -> Mesh:
@@ -99,7 +94,7 @@ def build_mesh(parallel: ParallelConfig) -> Mesh:
         device = torch.device("cpu")
     owns = False
     if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
+        backend = process_group_backend(use_cuda)
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         else:  # one process without torchrun: a private one-rank group

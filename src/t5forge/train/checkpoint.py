@@ -234,3 +234,126 @@ def load_training_checkpoint(
     state["rng"] = tensors.get("rng")
     return state
 
+
+
+# -- the run's checkpoint manager --------------------------------------------------------------------------
+# A run is the same run when these did not change: the model, the data and its order (seed), the global
+# batch and the optimiser. Everything else (the parallel layout, micro-batch size, precision, periods,
+# workers) may change on resume: DCP reshards the tensors into the new layout.
+_RUN_IDENTITY_SECTIONS = ("model", "data", "optim")
+_RUN_IDENTITY_KEYS = {"train.seed", "train.global_batch_size"}
+_NOT_IDENTITY = {"data.num_workers"}
+
+
+class CheckpointManager:
+    """Owns the checkpoints of a run: where it resumes from (`train.resume`), when to save (every
+    `save_period` steps and after the last one, never twice for a step), how many to keep (`keep_last`),
+    and the HF export at the end. Every rank calls its methods (saving is collective)."""
+
+    def __init__(self, run, echo=print):
+        self.run = run
+        self.run_dir = Path(run.train.output_dir)
+        self.dir = self.run_dir / "checkpoints"
+        self.echo = echo
+        self.last_saved_step = -1
+
+    # -- resuming -------------------------------------------------------------------------------------
+    def resume_point(self) -> Path | None:
+        """The checkpoint this run starts from, or None; raises when the policy forbids what is there."""
+        from t5forge.errors import ConfigError
+
+        resume = self.run.train.resume
+        latest = latest_checkpoint(self.dir) if self.dir.is_dir() else None
+        has_checkpoints = latest is not None or any(self.dir.glob("step_*"))
+        if resume == "never":
+            if has_checkpoints:
+                raise ConfigError(f"{self.dir} already holds checkpoints and train.resume=never would overwrite them; "
+                                  "choose a new train.output_dir or set train.resume=auto")
+            return None
+        if resume == "auto":
+            if latest is None:
+                return None
+            self._check_same_run()
+            return latest
+        path = Path(resume)
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"train.resume={resume} is not a checkpoint directory (no .metadata); "
+                                  "use auto, never, or a step_* directory")
+        return path
+
+    def _check_same_run(self) -> None:
+        from t5forge.config import batch_arithmetic, config_as_dict, load_config
+        from t5forge.errors import ConfigError
+
+        saved = self.run_dir / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"{self.dir} holds checkpoints but {saved} is missing, so they cannot be matched to "
+                              "this run; set train.resume to a checkpoint path or use a new output_dir")
+        previous_run = load_config(saved)
+        previous, current = config_as_dict(previous_run), config_as_dict(self.run)
+        # The global batch as resolved (None means micro x dp): a new layout may spell it differently.
+        for run, values in ((previous_run, previous), (self.run, current)):
+            values["train"]["global_batch_size"] = batch_arithmetic(
+                run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)[0]
+        differences = []
+        for section, values in current.items():
+            for key, value in values.items():
+                name = f"{section}.{key}"
+                identity = (section in _RUN_IDENTITY_SECTIONS or name in _RUN_IDENTITY_KEYS) and name not in _NOT_IDENTITY
+                if identity and previous[section].get(key) != value:
+                    differences.append(f"{name}: {previous[section].get(key)!r} -> {value!r}")
+        if differences:
+            raise ConfigError(
+                f"{self.run_dir} holds checkpoints of another run ({'; '.join(differences)}); use a new "
+                "train.output_dir, or set train.resume to one of its checkpoints explicitly (the parallel "
+                "layout, micro-batch size, precision and periods may change on resume)")
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def should_save(self, step: int, last_step: bool = False) -> bool:
+        if step == self.last_saved_step:
+            return False
+        period = self.run.train.save_period
+        return last_step or (period > 0 and step % period == 0)
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, last_step: bool = False) -> Path | None:
+        """Save checkpoint `step` if it is due (see should_save); returns its path, or None."""
+        if not self.should_save(step, last_step):
+            return None
+        path = save_training_checkpoint(self.dir, step, model, optimizer, trainer_state, self.run.train.keep_last)
+        self.last_saved_step = step
+        self.echo(f"saved checkpoint {path}")
+        return path
+
+    def export_hf(self, model, config, tokenizer_dir: str | os.PathLike | None = None) -> Path | None:
+        """Gather the model one parameter at a time from any layout (collective) and write RUN_DIR/hf on
+        rank 0, with the tokenizer files, holding at most one shard in memory."""
+        if not self.run.train.export_hf:
+            return None
+        from t5forge.fileio import atomic_directory
+        from t5forge.models.hf import save_pretrained_streamed
+        from t5forge.parallel.parallelize import full_parameters, unwrap_name
+
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        seen, sizes = set(), {}
+        for name, param in model.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                sizes[unwrap_name(name)] = param.numel() * param.element_size()
+        tensors = full_parameters(model)
+        target = self.run_dir / "hf"
+        if not main:
+            for _ in tensors:  # take part in every gather
+                pass
+            _barrier()
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        with atomic_directory(target) as staging:
+            save_pretrained_streamed(config, sizes, tensors, staging, dtype=_dtype_of(model))
+            for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                source = Path(tokenizer_dir) / name if tokenizer_dir else None
+                if source is not None and source.is_file():
+                    (staging / name).write_bytes(source.read_bytes())
+        self.echo(f"exported HF model and tokenizer to {target}")
+        _barrier()
+        return target

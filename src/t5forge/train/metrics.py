@@ -184,12 +184,13 @@ def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
     valid = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
     if not train and not valid:
         return None
-    import matplotlib
+    # The object-oriented API with the Agg canvas: no pyplot, so no process-wide backend is chosen here.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig = Figure(figsize=(7, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss")
     if valid:
@@ -201,6 +202,5 @@ def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
     fig.tight_layout()
     tmp = output.with_name(f".{output.name}.tmp.png")
     fig.savefig(tmp)
-    plt.close(fig)
     os.replace(tmp, output)
     return output

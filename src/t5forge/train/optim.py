@@ -26,7 +26,8 @@ def parameter_groups(model: nn.Module, weight_decay: float, only: list | None = 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, only: list | None = None) -> torch.optim.Optimizer:
     groups = parameter_groups(model, cfg.weight_decay, only)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        # Fused: one kernel for all parameters, and it can skip an fp16 overflow step on the device.
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
     # Adafactor (Shazeer & Stern), T5's optimizer: factored second moments, no first moment.
     return torch.optim.Adafactor(groups, lr=cfg.lr)
 
@@ -54,53 +55,74 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
 
 
 class LossScaler:
-    """fp16 dynamic loss scaling: the loss is multiplied by `scale` before backward and the gradients
-    divided by it after; a step whose global gradient norm is not finite is skipped and the scale
-    halved, and every `growth_interval` good steps it doubles. Written here rather than with
-    torch.amp.GradScaler because the skip decision must come from the global norm: GradScaler checks
-    each rank's own gradient shards, so under ZeRO or TP ranks could disagree. Disabled (scale 1, never
-    skips) for fp32 and bf16."""
+    """fp16 dynamic loss scaling, kept on the compute device so that the step never waits for the host.
 
-    def __init__(self, cfg: PrecisionConfig):
+    The loss is multiplied by `scale` before backward and the gradients divided by it after; a step whose
+    global gradient norm is not finite is skipped and the scale halved, and every `growth_interval` good
+    steps it doubles. Written here rather than with torch.amp.GradScaler because the skip decision must
+    come from the global norm: GradScaler checks each rank's own gradient shards, so under ZeRO or TP
+    ranks could disagree. The decision reaches the optimizer as GradScaler's `found_inf` tensor (fused
+    AdamW skips the update on the device). Disabled (scale 1, never skips) for fp32 and bf16."""
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device | str = "cpu"):
         self.enabled = cfg.dtype == "fp16"
-        self.scale = cfg.initial_loss_scale if self.enabled else 1.0
         self.growth_interval = cfg.loss_scale_growth_interval
-        self.good_steps = 0
+        self.scale = torch.tensor(cfg.initial_loss_scale if self.enabled else 1.0, dtype=torch.float32,
+                                  device=device)
+        self.good_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)  # 1.0: skip this step
 
     @torch.no_grad()
-    def unscale(self, params: list[torch.nn.Parameter]) -> None:
-        if self.enabled:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(1.0 / self.scale)
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        if self.enabled and grads:
+            torch._foreach_mul_(grads, self.scale.reciprocal())
 
-    def update(self, grads_finite: bool) -> bool:
-        """Record the outcome of a step; returns whether the optimizer may step."""
+    @torch.no_grad()
+    def update(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Record the outcome of a step from its (global, unscaled) gradient norm, on the device; returns
+        `found_inf` (1.0 when the optimizer must skip the step)."""
         if not self.enabled:
-            return True
-        if not grads_finite:
-            self.scale /= 2.0
-            self.good_steps = 0
-            return False
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= 2.0
-            self.good_steps = 0
-        return True
+            return self.found_inf
+        overflow = ~torch.isfinite(grad_norm)
+        self.found_inf.copy_(overflow)
+        self.skipped_steps += overflow
+        good = torch.where(overflow, 0, self.good_steps + 1)
+        grow = good == self.growth_interval
+        self.scale.copy_(torch.where(overflow, self.scale / 2, torch.where(grow, self.scale * 2, self.scale)))
+        self.good_steps.copy_(torch.where(grow, 0, good))
+        return self.found_inf
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale.item(), "good_steps": int(self.good_steps), "skipped_steps": int(self.skipped_steps)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self.scale.fill_(float(state["scale"]))
+        self.good_steps.fill_(int(state["good_steps"]))
+        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, may_skip: bool) -> None:
+    """Step unless `found_inf` is set. Fused AdamW reads the flag on the device (GradScaler's protocol:
+    the `found_inf` attribute), so the step never waits; other optimizers (Adafactor) cannot skip on the
+    device, and only when skipping is possible at all (fp16) do they read the flag on the host."""
+    if getattr(optimizer, "defaults", {}).get("fused"):
+        optimizer.found_inf = found_inf if may_skip else None
+        optimizer.step()
+    elif not may_skip or not bool(found_inf):
+        optimizer.step()
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, sum_over=None) -> torch.Tensor:
     """Clip the global gradient norm of parameters that may live on different meshes (plain, TP, FSDP,
-    2-D). The stock clip_grad_norm_ combines per-parameter norms in one operation and fails when they
-    are DTensors on different meshes; here the norm is computed per mesh (DTensor accounts for shards
-    and replicas) and the squares are added."""
+    2-D); returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
+
+    The stock clip_grad_norm_ combines per-parameter norms in one operation and fails when they are
+    DTensors on different meshes; here the norm is computed per mesh (DTensor accounts for shards and
+    replicas) and the squares are added. Gradients are multiplied by a clamped coefficient rather than
+    branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped).
+    `sum_over`: a process group over which ranks hold disjoint gradients (ZeRO-1) whose squares add up."""
     from collections import defaultdict
 
     from torch.distributed.tensor import DTensor
@@ -109,15 +131,19 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     for p in params:
         if p.grad is not None:
             groups[id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None].append(p.grad)
-    total_sq = torch.zeros((), dtype=torch.float64)
+    squares = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total_sq += norm.double().cpu() ** 2
-    total = float(total_sq.sqrt())
-    coefficient = max_norm / (total + 1e-6)
-    if coefficient < 1.0:
+        squares.append(norm.float() ** 2)
+    device = next((p.device for p in params), torch.device("cpu"))
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if sum_over is not None:
+        torch.distributed.all_reduce(total_sq, group=sum_over)
+    total = total_sq.sqrt()
+    if math.isfinite(max_norm):
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coefficient = torch.where(torch.isfinite(coefficient), coefficient, 1.0)
         for grads in groups.values():
-            for grad in grads:
-                grad.mul_(coefficient)
+            torch._foreach_mul_(grads, coefficient)
     return total

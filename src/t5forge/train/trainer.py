@@ -1,8 +1,13 @@
 """The training loop, composed from the pieces: data -> model on a (pp, dp, tp) mesh -> optimizer step ->
 hooks (logging, evaluation, checkpointing). One process is the 1 x 1 x 1 mesh, through the same code.
 
-Parallelism is applied to the plain model in one fixed order (TorchTitan's): tensor parallel ->
-activation checkpointing -> data parallel / ZeRO.
+The model is built on the meta device, parallelised (`t5forge.parallel.parallelize.parallelize_t5`:
+tensor parallel -> activation checkpointing -> compile -> FSDP), then only this rank's shards are
+allocated and initialised or loaded, so no rank ever holds the full model.
+
+The step never waits for the device except on log steps (TorchTitan's rule): token counts, loss sums,
+the gradient norm and the fp16 overflow decision stay on the compute device, every collective runs
+there, and the host reads the losses of a log period at once.
 
 Loss normalisation: each micro-batch contributes its summed token cross-entropy divided by the number
 of target tokens in the whole global batch (all dp ranks, all micro-batches), so the step's gradient is
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,30 +29,24 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from t5forge.config import (
-    RunConfig,
-    batch_arithmetic,
-    config_as_dict,
-    load_config,
-    to_yaml,
-)
+from t5forge.config import RunConfig, batch_arithmetic, to_yaml
 from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
 from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
-from t5forge.models.hf import from_pretrained
+from t5forge.models.hf import HFTensorReader
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.parallel.activation_checkpoint import apply_ac
-from t5forge.parallel.data_parallel import (
-    Zero1Partition,
-    all_reduce_gradients,
-    apply_fsdp,
-    unique_parameters,
-)
+from t5forge.parallel.data_parallel import GradientBuckets, unique_parameters
 from t5forge.parallel.mesh import Mesh, build_mesh, check_layout, world_size_from_env
-from t5forge.parallel.tensor_parallel import apply_tp
+from t5forge.parallel.parallelize import (
+    COMPUTE_DTYPES,
+    check_fits,
+    materialize,
+    materialize_from_hf,
+    parallelize_t5,
+)
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
     MetricsWriter,
@@ -63,21 +61,15 @@ from t5forge.train.optim import (
     build_optimizer,
     build_scheduler,
     clip_grad_norm,
+    optimizer_step,
 )
-
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Keys that may change when a run is resumed; any other difference means another run.
-_RESUMABLE_CHANGES = {"train.max_steps", "train.max_samples", "train.log_period", "train.eval_period",
-                      "train.eval_samples", "train.save_period", "train.keep_last", "train.resume",
-                      "train.export_hf", "data.num_workers"}
 
 
 @dataclass
 class TrainState:
     step: int = 0
     consumed_samples: int = 0
-    skipped_steps: int = 0
-    losses: list[float] = field(default_factory=list)  # train loss of every step of this process
+    losses: list[float] = field(default_factory=list)  # train loss of every step of this process, read at log steps
 
 
 # -- building blocks -------------------------------------------------------------------------------------
@@ -101,33 +93,33 @@ def build_model_config(run: RunConfig) -> T5Config:
     return T5Config(**values, extra=base.extra)
 
 
-def build_model(run: RunConfig, config: T5Config, device: torch.device) -> T5ForConditionalGeneration:
-    """From an HF directory (its weights, cast to fp32 master weights) or initialised from scratch."""
+def build_model(run: RunConfig, config: T5Config, mesh: Mesh) -> T5ForConditionalGeneration:
+    """This rank's part of the model: built on the meta device, parallelised, then its shards allocated on
+    the compute device and either loaded from the HF directory `model.path` (only the regions this rank
+    holds, cast to fp32 master weights) or initialised as one process would from `train.seed`."""
+    p = run.parallel
+    reader = None
     if run.model.path is not None:
-        loaded = from_pretrained(run.model.path, dtype=torch.float32, device=device)
-        # The weights decide whether the head is tied; overrides may change only what has no weights.
-        config = T5Config(**{**config.to_dict(), "tie_word_embeddings": loaded.config.tie_word_embeddings},
-                          extra=config.extra)
-        if loaded.config.to_dict() == config.to_dict():
-            return loaded
-        with torch.device("meta"):
-            model = T5ForConditionalGeneration(config)
-        try:
-            model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
-        except RuntimeError as e:
-            raise ConfigError(f"model.overrides change the shapes of the weights in {run.model.path}: "
-                              f"{str(e).splitlines()[-1].strip()}; only shape-free fields such as dropout_rate "
-                              "can be overridden when starting from a checkpoint") from None
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.shared.weight
-        return model
+        reader = HFTensorReader(run.model.path)
+        try:  # the weights decide whether the head is tied
+            tied = reader.check_against(config)
+        except CheckpointError as e:
+            if not run.model.overrides:
+                raise
+            raise ConfigError(f"model.overrides change the shapes of the weights in {run.model.path} ({e}); only "
+                              "shape-free fields such as dropout_rate can be overridden when starting from a "
+                              "checkpoint") from None
+        config = T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}, extra=config.extra)
+    # Predicted before anything is allocated: weights, gradients and optimizer state of this rank.
+    state = summarize(config).training_gib(mixed_precision=run.precision.dtype != "fp32")["total"] * 2**30
+    shards = p.tp * (p.dp if p.zero_stage == 3 else 1)
+    check_fits(state / shards, mesh.device, f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
-    model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.shared.weight
-    model.init_weights(torch.Generator(device="cpu").manual_seed(run.train.seed))
-    return model
+    parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile)
+    if reader is not None:
+        return materialize_from_hf(model, reader, mesh.device)
+    return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,12 +129,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> int:
-    """Targets whose argmax prediction is right (evaluation only: gathers vocab-parallel logits)."""
+def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Targets whose argmax prediction is right, as a device tensor (evaluation only: gathers
+    vocab-parallel logits)."""
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     valid = labels != -100
-    return int(((logits.argmax(-1) == labels) & valid).sum())
+    return ((logits.argmax(-1) == labels) & valid).sum()
 
 
 def scalar(value: torch.Tensor) -> torch.Tensor:
@@ -173,17 +166,17 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
     tensor_parallel = mesh is not None and mesh.tp_size > 1
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, correct: read once, at the end
     for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast(device, precision), (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            decoder_input_ids=model.shift_right(batch["labels"])).logits
             loss = scalar(token_loss_sum(logits, batch["labels"]))
-        sums += torch.tensor([loss.item(), int((batch["labels"] != -100).sum()),
-                              correct_predictions(logits, batch["labels"])], dtype=torch.float64)
+        sums += torch.stack([loss.double(), (batch["labels"] != -100).sum().double(),
+                             correct_predictions(logits, batch["labels"]).double()])
     if mesh is not None and dp_size > 1:
-        dist.all_reduce(sums, group=mesh.mesh["dp"].get_group())
+        dist.all_reduce(sums, group=mesh.dp_group)
     model.train(was_training)
     loss, tokens, correct = sums.tolist()
     mean = loss / tokens
@@ -192,12 +185,13 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
 
 
 class Trainer:
-    """Holds what the loop and its hooks share; `run_training()` trains to max_steps."""
+    """Holds what the loop and its hooks share; `run_training()` trains to max_steps.
+
+    A context manager: leaving it closes the process group the trainer opened (if it opened one)."""
 
     def __init__(self, run: RunConfig, echo=print):
         self.run = run
         self.run_dir = Path(run.train.output_dir)
-        self.checkpoints_dir = self.run_dir / "checkpoints"
         self.global_batch_size, self.accumulation = batch_arithmetic(
             run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
         # Cheap checks first, on every rank, before any process group or data exists.
@@ -215,6 +209,8 @@ class Trainer:
         if self.max_steps < 1:
             raise ConfigError(f"train.max_samples={run.train.max_samples} is less than one global batch "
                               f"({self.global_batch_size}); raise it")
+        if run.train.compile:
+            check_compile_available()
 
         self.mesh = build_mesh(run.parallel)
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
@@ -224,19 +220,19 @@ class Trainer:
             self.mesh.close()  # a refused run leaves no process group behind
             raise
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _build(self) -> None:
         """Everything that needs the mesh: data, model on the mesh, optimizer, and a resumed state."""
         run, d = self.run, self.run.data
         self.device = self.mesh.device
-        if self.device.type == "cpu":
-            # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and
-            # are ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
-            torch.set_flush_denormal(True)
-        resume_from = self._resume_point()
+        self.checkpoints = ckpt.CheckpointManager(run, echo=self.echo)
+        resume_from = self.checkpoints.resume_point()
 
-        # Same seed within a tensor-parallel group (its replicated activations need the same dropout
-        # masks), a different one per data-parallel rank.
-        torch.manual_seed(run.train.seed + self.mesh.dp_rank)
         self.data: PretrainingData = build_pretraining_data(
             d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
             mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
@@ -245,30 +241,33 @@ class Trainer:
                 f"the tokenizer has {self.data.tokenizer.vocab_size} ids but the model's vocab_size is "
                 f"{self.model_config.vocab_size}; set model.overrides.vocab_size to at least "
                 f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
-        self.model = self.parallelize(build_model(run, self.model_config, self.device))
+        start = time.perf_counter()
+        self.model = build_model(run, self.model_config, self.mesh)
+        self.build_seconds = time.perf_counter() - start
+        self.model_config = self.model.config  # the checkpoint decides whether the head is tied
         self.model.train()
+        # Same seed within a tensor-parallel group (its replicated activations need the same dropout
+        # masks), a different one per data-parallel rank.
+        torch.manual_seed(run.train.seed + self.mesh.dp_rank)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(run.train.seed + self.mesh.dp_rank)
         self.params = unique_parameters(self.model)
-        self.zero1 = Zero1Partition(self.params, self.mesh.mesh["dp"]) if run.parallel.zero_stage == 1 else None
-        self.optimizer = build_optimizer(self.model, run.optim, only=self.zero1.owned() if self.zero1 else None)
+        p = run.parallel
+        self.grad_sync = None
+        if p.zero_stage < 2:  # ZeRO 0/1: hooks on the materialised parameters (FSDP handles 2/3)
+            self.grad_sync = GradientBuckets(self.params, self.mesh.dp_group, shard=p.zero_stage == 1,
+                                             overlap=p.overlap_grad_reduce)
+        owned = self.grad_sync.owned() if p.zero_stage == 1 else None
+        self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
-        self.loss_scaler = LossScaler(run.precision)
-        self.last_grad_norm = math.nan
+        self.loss_scaler = LossScaler(run.precision, self.device)
+        self.last_grad_norm = torch.full((), math.nan, device=self.device)
+        self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
         self.state = TrainState()
         self._rng_to_restore: dict | None = None
         if resume_from is not None:
             self._restore(resume_from)
         self.flops_per_sample = training_flops_per_sample(self.model_config, d.inputs_length, self.targets_length)
-
-    def parallelize(self, model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:
-        """Tensor parallel -> activation checkpointing -> data parallel (ZeRO 2/3 as FSDP2), in that order."""
-        p = self.run.parallel
-        if p.tp > 1:
-            apply_tp(model, self.mesh.mesh["tp"], sequence_parallel=p.sequence_parallel)
-        apply_ac(model, p.activation_checkpointing)
-        if p.zero_stage >= 2:
-            param_dtype = COMPUTE_DTYPES[self.run.precision.dtype] if self.run.precision.dtype == "bf16" else None
-            apply_fsdp(model, self.mesh.mesh["dp"], p.zero_stage, param_dtype=param_dtype)
-        return model
 
     def close(self) -> None:
         self.mesh.close()
@@ -278,62 +277,25 @@ class Trainer:
         return {"world_size": dist.get_world_size(), "dp": p.dp, "tp": p.tp, "pp": p.pp,
                 "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
 
-    def _resume_point(self) -> Path | None:
-        resume = self.run.train.resume
-        latest = ckpt.latest_checkpoint(self.checkpoints_dir) if self.checkpoints_dir.is_dir() else None
-        has_checkpoints = latest is not None or any(self.checkpoints_dir.glob("step_*"))
-        if resume == "never":
-            if has_checkpoints:
-                raise ConfigError(f"{self.checkpoints_dir} already holds checkpoints and train.resume=never would "
-                                  "overwrite them; choose a new train.output_dir or set train.resume=auto")
-            return None
-        if resume == "auto":
-            if latest is None:
-                return None
-            self._check_same_run()
-            return latest
-        path = Path(resume)
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"train.resume={resume} is not a checkpoint directory (no .metadata); "
-                                  "use auto, never, or a step_* directory")
-        return path
-
-    def _check_same_run(self) -> None:
-        saved = self.run_dir / "config.yaml"
-        if not saved.is_file():
-            raise ConfigError(f"{self.checkpoints_dir} holds checkpoints but {saved} is missing, so they cannot be "
-                              "matched to this run; set train.resume to a checkpoint path or use a new output_dir")
-        previous = config_as_dict(load_config(saved))
-        current = config_as_dict(self.run)
-        differences = []
-        for section, values in current.items():
-            for key, value in values.items():
-                name = f"{section}.{key}"
-                if name not in _RESUMABLE_CHANGES and previous[section].get(key) != value:
-                    differences.append(f"{name}: {previous[section].get(key)!r} -> {value!r}")
-        if differences:
-            raise ConfigError(
-                f"{self.run_dir} holds checkpoints of another run ({'; '.join(differences)}); use a new "
-                "train.output_dir, or set train.resume to one of its checkpoints explicitly")
-
     def _restore(self, path: Path) -> None:
         state = ckpt.load_training_checkpoint(path, self.model, self.optimizer, self.layout())
         self.scheduler.load_state_dict(state["scheduler"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.state.step = state["step"]
         self.state.consumed_samples = state["consumed_samples"]
-        self.state.skipped_steps = state["skipped_steps"]
         self._rng_to_restore = state["rng"]
         if state["rng"] is None:
             self.echo("the checkpoint was written by another layout: RNG streams (dropout) start afresh")
         self.echo(f"resumed from {path} at iteration {self.state.step}, consumed_samples {self.state.consumed_samples}")
 
-    def save(self) -> Path:
-        trainer_state = {"consumed_samples": self.state.consumed_samples, "skipped_steps": self.state.skipped_steps,
-                         "scheduler": self.scheduler.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
-                         "layout": self.layout()}
-        return ckpt.save_training_checkpoint(self.checkpoints_dir, self.state.step, self.model, self.optimizer,
-                                             trainer_state, self.run.train.keep_last)
+    def save(self, last_step: bool = False) -> Path | None:
+        """Save a checkpoint if the checkpoint manager says one is due at this step (collective)."""
+        if not self.checkpoints.should_save(self.state.step, last_step):
+            return None
+        trainer_state = {"consumed_samples": self.state.consumed_samples, "scheduler": self.scheduler.state_dict(),
+                         "loss_scaler": self.loss_scaler.state_dict(), "layout": self.layout(),
+                         "skipped_steps": int(self.loss_scaler.skipped_steps)}
+        return self.checkpoints.save(self.state.step, self.model, self.optimizer, trainer_state, last_step=last_step)
 
     def describe(self) -> None:
         s = summarize(self.model_config)
@@ -349,20 +311,35 @@ class Trainer:
                   f"{self.targets_length} tokens; {self.max_steps} steps; {len(self.data.train)} training samples "
                   f"per epoch; device {self.device}, {self.run.precision.dtype}")
 
+    def is_log_step(self, step: int) -> bool:
+        """Every log_period steps, and the first and last step (the first shows the starting loss)."""
+        return step % self.run.train.log_period == 0 or step in (1, self.max_steps)
+
+    def read_losses(self) -> list[float]:
+        """Move the device losses of the steps since the last read to the host (one synchronisation)."""
+        if self.pending_losses:
+            self.state.losses += torch.stack(self.pending_losses).tolist()
+            self.pending_losses = []
+        return self.state.losses
+
     # -- the loop --------------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches of a global batch; returns the loss of the
-        whole global batch (all dp ranks)."""
-        dp_group = self.mesh.mesh["dp"].get_group()
-        counts = torch.tensor([sum(int((b["labels"] != -100).sum()) for b in micro_batches)], dtype=torch.float64)
-        dist.all_reduce(counts, group=dp_group)  # target tokens of the global batch
-        tokens = counts.item()
-        multiplier = self.loss_scaler.scale * self.mesh.dp_size / tokens
+        whole global batch (all dp ranks) as a 0-d fp32 tensor on the compute device, without waiting."""
+        dp_group = self.mesh.dp_group
+        # Counted on the host batches (no device involved), then summed over dp on the device.
+        counts = sum((b["labels"] != -100).sum() for b in micro_batches).to(torch.float64)
+        tokens = counts.to(self.device, non_blocking=True)
+        dist.all_reduce(tokens, group=dp_group)  # target tokens of the global batch
+        multiplier = self.loss_scaler.scale.double() * self.mesh.dp_size / tokens
         fsdp, tensor_parallel = self.run.parallel.zero_stage >= 2, self.mesh.tp_size > 1
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                self.model.set_requires_gradient_sync(last)
+            else:
+                self.grad_sync.sync = last
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with autocast(self.device, self.run.precision.dtype), \
                     (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
@@ -370,23 +347,25 @@ class Trainer:
                                     decoder_input_ids=self.model.shift_right(batch["labels"])).logits
                 loss_sum = token_loss_sum(logits, batch["labels"])
                 (loss_sum * multiplier).backward()
-            total += scalar(loss_sum.detach()).double().cpu()
-        if not fsdp:
-            all_reduce_gradients(self.params, dp_group)
-        self.loss_scaler.unscale(self.params)
+            total += scalar(loss_sum.detach()).double()
+        zero1 = self.run.parallel.zero_stage == 1
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        self.loss_scaler.unscale_([p.grad for p in self.params if p.grad is not None])
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
-        self.last_grad_norm = clip_grad_norm(self.params, max_norm)
-        if self.loss_scaler.update(math.isfinite(self.last_grad_norm)):
-            self.optimizer.step()
-            if self.zero1 is not None:
-                self.zero1.broadcast_updated()
-            self.scheduler.step()
-        else:  # inf/NaN gradients in fp16: skip, back off the scale; as Megatron, the schedule waits
-            self.state.skipped_steps += 1
+        # ZeRO-1: each rank holds the gradients of its own parameters only; their squares add up over dp.
+        self.last_grad_norm = clip_grad_norm(self.params, max_norm, sum_over=dp_group if zero1 else None)
+        found_inf = self.loss_scaler.update(self.last_grad_norm)
+        optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
+        if zero1:
+            self.grad_sync.all_gather_parameters()
+        # As torch.amp.GradScaler: the schedule follows iterations, skipped fp16 steps included (knowing
+        # whether a step was skipped would cost a host synchronisation).
+        self.scheduler.step()
         for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
             p.grad = None
         dist.all_reduce(total, group=dp_group)
-        return total.item() / tokens
+        return (total / tokens).float()
 
     def run_training(self, hooks: list | None = None) -> TrainState:
         hooks = hooks if hooks is not None else default_hooks(self)
@@ -395,7 +374,7 @@ class Trainer:
         # Each dp rank reads only its slice of every global batch (see data/loader.py).
         loader = iter(build_loader(self.data.train, self.run.train.micro_batch_size, self.state.consumed_samples,
                                    dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                   num_workers=self.run.data.num_workers))
+                                   num_workers=self.run.data.num_workers, pin_memory=self.device.type == "cuda"))
         if self._rng_to_restore is not None:  # last, so that nothing in set-up shifts the dropout stream
             ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
@@ -406,74 +385,111 @@ class Trainer:
             loss = self.train_step(micro_batches)
             self.state.step += 1
             self.state.consumed_samples += self.global_batch_size
-            self.state.losses.append(loss)
+            self.pending_losses.append(loss)
+            info = StepInfo(step=self.state.step, loss=loss, data_time=data_time,
+                            log_step=self.is_log_step(self.state.step))
             for hook in hooks:
-                hook.after_step(loss, time.perf_counter() - start, data_time)
+                hook.after_step(info)
+        self.read_losses()
         for hook in hooks:
             hook.after_train()
         return self.state
 
 
+def check_compile_available() -> None:
+    """train.compile=true needs a working torch.compile backend (inductor needs a C++ compiler on CPU)."""
+    import shutil
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError("train.compile=true, but torch.compile is not supported on this Python/platform; "
+                          "set train.compile=false")
+    if not torch.cuda.is_available() and shutil.which("g++") is None and shutil.which("c++") is None:
+        raise ConfigError("train.compile=true on a CPU needs a C++ compiler (g++) for torch.compile's inductor; "
+                          "install one or set train.compile=false")
+
+
 # -- hooks -----------------------------------------------------------------------------------------------
+@dataclass
+class StepInfo:
+    """What hooks learn after each step. `loss` stays on the device: read it only when `log_step` is true
+    (through Trainer.read_losses), or the step waits for the device."""
+
+    step: int
+    loss: torch.Tensor
+    data_time: float
+    log_step: bool
+
+
 class Hook:
     def before_train(self) -> None: ...
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None: ...
+    def after_step(self, info: StepInfo) -> None: ...
     def after_train(self) -> None: ...
 
 
 class LogHook(Hook):
-    """One line (and one metrics.jsonl record) per log period: averages over the period."""
+    """One line (and one metrics.jsonl record) per log period: averages over the period. Reads the
+    device only on log steps; the time per iteration is the wall time since the previous log step
+    (after synchronising), so it is right on a GPU that runs ahead of the host."""
 
     def __init__(self, trainer: Trainer, writer: MetricsWriter):
         self.t, self.writer = trainer, writer
-        self.period_losses: list[float] = []
-        self.period_time = self.period_data_time = 0.0
-        self.step_times: list[float] = []
+        self.period_steps = 0
+        self.period_data_time = 0.0
+        self.period_start = self.train_start = 0.0
+        self.first_log_step = None
 
     def before_train(self) -> None:
         self.t.describe()
         peak, source = peak_flops(self.t.device, COMPUTE_DTYPES[self.t.run.precision.dtype])
         self.peak = peak
         self.t.echo(f"peak: {peak / 1e12:.2f} TFLOP/s ({source}); model FLOPs per sample "
-                    f"{self.t.flops_per_sample / 1e9:.2f} GFLOP (forward + backward)")
+                    f"{self.t.flops_per_sample / 1e9:.2f} GFLOP (forward + backward); model built in "
+                    f"{self.t.build_seconds:.1f} s")
+        self.period_start = self.train_start = time.perf_counter()
+        self.start_step = self.t.state.step
 
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
+    def after_step(self, info: StepInfo) -> None:
         t = self.t
-        self.period_losses.append(loss)
-        self.period_time += step_time
-        self.period_data_time += data_time
-        self.step_times.append(step_time)
-        # Every log_period steps, and the first and last step (the first shows the starting loss).
-        if t.state.step % t.run.train.log_period and t.state.step not in (1, t.max_steps):
+        self.period_steps += 1
+        self.period_data_time += info.data_time
+        if not info.log_step:
             return
-        steps = len(self.period_losses)
-        per_iter = self.period_time / steps
+        losses = t.read_losses()[-self.period_steps:]  # the one host synchronisation of the period
+        now = time.perf_counter()
+        steps = self.period_steps
+        per_iter = (now - self.period_start) / steps
         samples_per_s = t.global_batch_size / per_iter
         tokens_per_sample = t.run.data.inputs_length + t.targets_length
         tflops = samples_per_s * t.flops_per_sample / 1e12
-        # ETA from the measured average step time (the first step, which builds workers, excluded).
-        recent = self.step_times[1:] or self.step_times
+        if self.first_log_step is None:  # the first step (compilation, workers) does not predict the rest
+            self.first_log_step = (info.step, now)
+        done, since = info.step - self.first_log_step[0], now - self.first_log_step[1]
+        seconds_per_step = since / done if done else per_iter
         metrics = StepMetrics(
-            iteration=t.state.step, max_steps=t.max_steps, consumed_samples=t.state.consumed_samples,
-            loss=sum(self.period_losses) / steps, lr=t.scheduler.get_last_lr()[0], time_s=per_iter,
+            iteration=info.step, max_steps=t.max_steps, consumed_samples=t.state.consumed_samples,
+            loss=sum(losses) / steps, lr=t.scheduler.get_last_lr()[0], time_s=per_iter,
             data_time_s=self.period_data_time / steps, samples_per_s=samples_per_s,
             tokens_per_s=samples_per_s * tokens_per_sample, tflops=tflops,
             mfu=tflops * 1e12 / (self.peak * dist.get_world_size()),
-            mem_mib=self.largest_memory(), skipped_steps=t.state.skipped_steps,
-            eta_s=(t.max_steps - t.state.step) * sum(recent) / len(recent))
-        self.writer.write({**metrics.record(), "grad_norm": t.last_grad_norm}, metrics.line())
-        self.period_losses, self.period_time, self.period_data_time = [], 0.0, 0.0
+            mem_mib=self.largest_memory(), skipped_steps=int(t.loss_scaler.skipped_steps),
+            eta_s=(t.max_steps - info.step) * seconds_per_step)
+        record = {**metrics.record(), "grad_norm": t.last_grad_norm.item()}
+        if info.step == self.start_step + 1 and t.run.train.compile:
+            record["first_step_s"] = per_iter  # includes compiling every block
+            t.echo(f"first step (torch.compile included): {per_iter:.1f} s")
+        self.writer.write(record, metrics.line())
+        self.period_steps, self.period_data_time, self.period_start = 0, 0.0, time.perf_counter()
 
     def largest_memory(self) -> float:
         """The peak memory of the most loaded rank (every rank takes part in this all-reduce)."""
-        memory = torch.tensor([peak_memory_mib(self.t.device)], dtype=torch.float64)
+        memory = torch.tensor([peak_memory_mib(self.t.device)], dtype=torch.float64, device=self.t.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         return memory.item()
 
 
 class ProgressHook(Hook):
     """A rich progress bar under the log lines on an interactive terminal (rank 0); nothing otherwise,
-    so logs redirected to a file hold only the plain lines."""
+    so logs redirected to a file hold only the plain lines. Shows the loss of the last log step."""
 
     def __init__(self, trainer: Trainer):
         self.t = trainer
@@ -489,44 +505,30 @@ class ProgressHook(Hook):
         self.task = self.progress.add_task("training", total=self.t.max_steps, completed=self.t.state.step)
         self.progress.start()
 
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=self.t.state.step, description=f"loss {loss:.3f}")
+    def after_step(self, info: StepInfo) -> None:
+        if self.progress is None:
+            return
+        self.progress.update(self.task, completed=info.step)
+        if info.log_step and self.t.state.losses:
+            self.progress.update(self.task, description=f"loss {self.t.state.losses[-1]:.3f}")
 
     def after_train(self) -> None:
         if self.progress is not None:
             self.progress.stop()
 
 
-class PeriodicHook(Hook):
-    """Runs `act()` every `period` steps (0: never) and once more at the end, at most once per step."""
+class EvalHook(Hook):
+    """Evaluates every eval_period steps (0: only at the end) and after the last step, once per step."""
 
-    def __init__(self, trainer: Trainer, period: int):
-        self.t, self.period = trainer, period
+    def __init__(self, trainer: Trainer, writer: MetricsWriter):
+        self.t, self.writer = trainer, writer
         self.last_step = -1
 
-    def act(self) -> None: ...
-
-    def run(self) -> None:
-        if self.last_step != self.t.state.step:
-            self.last_step = self.t.state.step
-            self.act()
-
-    def after_step(self, loss: float, step_time: float, data_time: float) -> None:
-        if self.period and self.t.state.step % self.period == 0:
-            self.run()
-
-    def after_train(self) -> None:
-        self.run()
-
-
-class EvalHook(PeriodicHook):
-    def __init__(self, trainer: Trainer, writer: MetricsWriter):
-        super().__init__(trainer, trainer.run.train.eval_period)
-        self.writer = writer
-
-    def act(self) -> None:
+    def evaluate(self) -> None:
         t = self.t
+        if self.last_step == t.state.step:
+            return
+        self.last_step = t.state.step
         result = evaluate(t.model, t.data.valid, t.run.train.micro_batch_size, t.run.train.eval_samples, t.device,
                           t.run.precision.dtype, mesh=t.mesh)
         self.writer.write(
@@ -535,43 +537,28 @@ class EvalHook(PeriodicHook):
             f"validation at iteration {t.state.step}: loss {result['loss']:.3f} perplexity "
             f"{result['perplexity']:.1f} token accuracy {100 * result['accuracy']:.1f}%")
 
-
-class CheckpointHook(PeriodicHook):
-    def __init__(self, trainer: Trainer):
-        super().__init__(trainer, trainer.run.train.save_period)
-
-    def act(self) -> None:
-        self.t.echo(f"saved checkpoint {self.t.save()}")
+    def after_step(self, info: StepInfo) -> None:
+        period = self.t.run.train.eval_period
+        if period and info.step % period == 0:
+            self.evaluate()
 
     def after_train(self) -> None:
-        super().after_train()
-        if self.t.run.train.export_hf:
-            self.export_hf()
+        self.evaluate()
 
-    def export_hf(self) -> None:
-        """Gather the full model from any layout (a collective) and write it, with the tokenizer, on rank 0."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
 
-        from t5forge.fileio import atomic_directory
-        from t5forge.models.hf import build_model as model_from_state
+class CheckpointHook(Hook):
+    """Hands each step to the checkpoint manager, which decides whether to save; at the end, the last
+    checkpoint and the HF export."""
 
-        state = get_model_state_dict(self.t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.t.mesh.is_main:
-            return
-        model = model_from_state(self.t.model_config, state, source="the trained model")
-        target = self.t.run_dir / "hf"
-        if target.exists():
-            shutil.rmtree(target)
-        with atomic_directory(target) as staging:
-            model.save_pretrained(staging)
-            for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                source = Path(self.t.run.data.tokenizer) / name
-                if source.is_file():
-                    (staging / name).write_bytes(source.read_bytes())
-        self.t.echo(f"exported HF model and tokenizer to {target}")
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+
+    def after_step(self, info: StepInfo) -> None:
+        self.t.save()
+
+    def after_train(self) -> None:
+        self.t.save(last_step=True)
+        self.t.checkpoints.export_hf(self.t.model, self.t.model_config, self.t.run.data.tokenizer)
 
 
 class PlotHook(Hook):
@@ -596,12 +583,9 @@ def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
 
 
 def train(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
-    trainer = Trainer(run, echo=echo)
-    try:
+    with Trainer(run, echo=echo) as trainer:
         if trainer.mesh.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(trainer.run_dir / "config.yaml", to_yaml(run))
         trainer.run_training(default_hooks(trainer, tensorboard=tensorboard))
-    finally:
-        trainer.close()
     return trainer

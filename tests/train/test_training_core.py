@@ -1,0 +1,98 @@
+"""The training core as it must behave on GPUs, checked on the CPU: the process-group backend for CUDA,
+no host reads in the step except on log steps, the meta-device build, the trainer as a context manager,
+resuming with another layout, and refusals before anything is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from host_reads import count_host_reads_per_step
+from test_trainer import run_config
+
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.parallel.mesh import process_group_backend
+from t5forge.parallel.parallelize import check_fits
+from t5forge.train.trainer import Trainer, default_hooks, train
+
+
+def test_cuda_process_group_serves_gpu_and_cpu_tensors():
+    # NCCL alone refuses CPU tensors; torch's own parser must map each device to its backend.
+    config = dist.distributed_c10d.BackendConfig(dist.Backend(process_group_backend(cuda_available=True)))
+    assert config.get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    config = dist.distributed_c10d.BackendConfig(dist.Backend(process_group_backend(cuda_available=False)))
+    assert config.get_device_backend_map()["cpu"] == "gloo"
+
+
+@pytest.mark.parametrize("extra", [
+    ("precision.dtype=fp32", "optim.clip_grad_norm=1.0"),
+    ("precision.dtype=fp16", "train.global_batch_size=8"),  # loss scaling + accumulation
+    ("precision.dtype=bf16", "optim.clip_grad_norm=0"),
+])
+def test_steps_between_log_steps_never_read_the_device(extra, tmp_path, dataset_prefix, tokenizer_dir):
+    run = run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=5", "train.log_period=5",
+                     "train.micro_batch_size=2", *extra)
+    with Trainer(run, echo=lambda *_: None) as trainer:
+        reads = count_host_reads_per_step(trainer, default_hooks(trainer, tensorboard=False))
+        assert len(trainer.state.losses) == 5 and all(torch.isfinite(torch.tensor(trainer.state.losses)))
+    assert sorted(reads) == [1, 2, 3, 4, 5]
+    assert {step: calls for step, calls in reads.items() if step in (2, 3, 4)} == {2: [], 3: [], 4: []}
+    assert reads[5], "a log step reads the losses (the test would not see reads at all otherwise)"
+
+
+def test_meta_built_model_starts_from_the_single_process_initialisation(tmp_path, dataset_prefix, tokenizer_dir):
+    run = run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.seed=77")
+    with Trainer(run, echo=lambda *_: None) as trainer:
+        built = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        config = trainer.model_config
+    reference = T5ForConditionalGeneration(config)
+    reference.init_weights(torch.Generator().manual_seed(77))
+    assert built.keys() == reference.state_dict().keys()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(built[name], tensor), name
+
+
+def test_trainer_closes_the_process_group_it_opened(tmp_path, dataset_prefix, tokenizer_dir):
+    assert not dist.is_initialized()
+    with Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir), echo=lambda *_: None):
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+
+
+def test_resume_accepts_another_layout_and_refuses_another_optimiser(tmp_path, dataset_prefix, tokenizer_dir):
+    quiet = dict(echo=lambda *_: None, tensorboard=False)
+    first = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=2"), **quiet)
+    changed = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=3", "train.micro_batch_size=2",
+                               "train.global_batch_size=4", "parallel.activation_checkpointing=full"), **quiet)
+    assert first.state.step == 2 and changed.state.step == 3 and len(changed.state.losses) == 1
+    with pytest.raises(ConfigError, match=r"another run \(optim.lr: 0.003 -> 0.001\)"):
+        Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=4", "optim.lr=1e-3"))
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
+    with pytest.raises(ConfigError, match=r"needs 12.0 GiB per GPU .* but 8.0 GiB are free; raise parallel.zero_stage"):
+        check_fits(12 * 2**30, torch.device("cuda", 0), "model mt5-xl")
+    check_fits(12 * 2**30, torch.device("cpu"), "model mt5-xl")  # no prediction for host memory
+
+
+def test_compile_without_a_compiler_is_refused(tmp_path, dataset_prefix, tokenizer_dir, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="train.compile=true on a CPU needs a C\\+\\+ compiler"):
+        Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.compile=true"))
+
+
+def test_compiled_blocks_train_like_eager(tmp_path, dataset_prefix, tokenizer_dir):
+    args = ("train.max_steps=3", "model.dropout_rate=0")
+    eager = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, name="eager"), echo=lambda *_: None,
+                  tensorboard=False)
+    lines = []
+    compiled = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, "train.compile=true", name="compiled"),
+                     echo=lines.append, tensorboard=False)
+    assert compiled.state.losses == pytest.approx(eager.state.losses, rel=1e-5)
+    assert any(line.startswith("first step (torch.compile included):") for line in lines)
+
+
