@@ -183,7 +183,8 @@ def main() -> int:
             "sync_debug": "error on every non-log step after warm-up" if device.type == "cuda"
             else "skipped: CUDA's sync debug mode needs a GPU (the CPU suite counts host reads instead)",
             # Learning shows only over enough steps: the dry run's 4 tiny steps check finiteness alone.
-            "passed": all(math.isfinite(x) for x in bf16["losses"]) and (steps < 10 or bf16["losses"][-1] < bf16["losses"][0])}
+            "passed": all(map(math.isfinite, bf16["losses"]))
+            and (steps < 10 or bf16["losses"][-1] < bf16["losses"][0])}
         print("train:", checks["train_bf16"], flush=True)
 
         fp16_steps = 4

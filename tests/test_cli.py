@@ -121,3 +121,14 @@ def test_convert_bad_input(case, hf_dir, tmp_path, capsys):
     else:
         assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging files left behind"
+
+
+def test_a_torch_older_than_the_declared_floor_is_refused(monkeypatch, capsys):
+    from importlib import metadata
+
+    floor = next(r.split(">=")[1] for r in metadata.requires("t5forge") if r.startswith("torch>="))
+    major, minor = (int(x) for x in floor.split(".")[:2])
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor - 1}.0+cu121")
+    assert main(["info", "t5-small"]) == 2
+    err = capsys.readouterr().err
+    assert f"is older than {floor}" in err and f"torch>={floor}" in err and err.count("\n") == 1

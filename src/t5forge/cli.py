@@ -265,12 +265,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_torch_floor() -> None:
+    """Refuse a torch older than the floor that the package declares (pyproject.toml, the one place it is
+    written): the suite is run on that version and nothing older."""
+    from importlib import metadata
+
+    import torch
+    from torch.torch_version import TorchVersion
+
+    from t5forge.errors import ConfigError
+
+    try:
+        requirements = metadata.requires("t5forge") or []
+    except metadata.PackageNotFoundError:  # run from a source tree (scripts/gpu_check.sh): nothing declared
+        return
+    floor = next((r.split(">=", 1)[1].split(",")[0].strip() for r in requirements
+                  if r.replace(" ", "").startswith("torch>=")), None)
+    if floor is not None and TorchVersion(torch.__version__) < floor:
+        raise ConfigError(f"torch {torch.__version__} is older than {floor}, the oldest version t5forge is tested on; "
+                          f"install torch>={floor} (pip install 'torch>={floor}')")
+
+
 def configure_process() -> None:
     """Process-wide settings, made here once (library code never changes them)."""
     import os
+    import warnings
 
     # Our preprocessing workers are the parallelism; tokenizers' own thread pool would fight them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # convert and eval read and write model checkpoints in one process, without a process group, on purpose.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load) in a "
+                            r"single process", category=UserWarning)
 
 
 def configure_cpu_training() -> None:
@@ -289,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_process()
 
     try:
+        check_torch_floor()
         return args.func(args)
     except T5ForgeError as e:
         import os

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
 )
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from t5forge.config import load_config
@@ -118,7 +117,8 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
         if "audit" in special:
             with CollectiveDevices() as devices:
                 reads = count_host_reads_per_step(trainer, hooks)
-            audit = {"devices": sorted({f"{op}:{device}" for op, device in devices.seen}), "device": str(trainer.device),
+            audit = {"devices": sorted({f"{op}:{device}" for op, device in devices.seen}),
+                     "device": str(trainer.device),
                      "host_reads": {step: calls for step, calls in reads.items() if not trainer.is_log_step(step)}}
         elif "initial_only" not in special:
             trainer.run_training(hooks)

@@ -62,7 +62,7 @@ def test_resumed_run_gives_bitwise_the_losses_of_the_uninterrupted_run(tmp_path,
     crashed.run_dir.mkdir()
     (crashed.run_dir / "config.yaml").write_text((straight.run_dir / "config.yaml").read_text()
                                                  .replace(str(straight.run_dir), str(crashed.run_dir)))
-    with pytest.raises(Crash):  # checkpoint at step 3, crash after step 4
+    with crashed, pytest.raises(Crash):  # checkpoint at step 3, crash after step 4
         crashed.run_training(default_hooks(crashed, tensorboard=False) + [CrashAt(4, crashed)])
     assert crashed.state.losses == straight.state.losses[:4]
 
@@ -73,24 +73,24 @@ def test_resumed_run_gives_bitwise_the_losses_of_the_uninterrupted_run(tmp_path,
 
 
 def test_loss_is_normalised_by_the_tokens_of_the_global_batch(tmp_path, dataset_prefix, tokenizer_dir):
-    trainer = Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.global_batch_size=8",
-                                 "optim.clip_grad_norm=0", "model.dropout_rate=0"), echo=lambda *_: None)
-    first, second = (collate([trainer.data.train[i] for i in range(j, j + 4)]) for j in (0, 4))
-    first["labels"][:, 5:] = -100  # micro-batches with different numbers of target tokens
-    whole = {k: torch.cat([first[k], second[k]]) for k in first}
-    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    grads = []
-    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    with Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.global_batch_size=8",
+                                "optim.clip_grad_norm=0", "model.dropout_rate=0"), echo=lambda *_: None) as trainer:
+        first, second = (collate([trainer.data.train[i] for i in range(j, j + 4)]) for j in (0, 4))
+        first["labels"][:, 5:] = -100  # micro-batches with different numbers of target tokens
+        whole = {k: torch.cat([first[k], second[k]]) for k in first}
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        grads = []
+        trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.model.parameters()])
 
-    with torch.no_grad():
-        reference = trainer.model(**whole).loss  # HF-style mean over every valid token of the global batch
-    accumulated = float(trainer.train_step([first, second]))
-    trainer.model.load_state_dict(start)
-    single = float(trainer.train_step([whole]))
-    assert accumulated == pytest.approx(reference.item(), rel=1e-6)
-    assert single == pytest.approx(reference.item(), rel=1e-6)
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+        with torch.no_grad():
+            reference = trainer.model(**whole).loss  # HF-style mean over every valid token of the global batch
+        accumulated = float(trainer.train_step([first, second]))
+        trainer.model.load_state_dict(start)
+        single = float(trainer.train_step([whole]))
+        assert accumulated == pytest.approx(reference.item(), rel=1e-6)
+        assert single == pytest.approx(reference.item(), rel=1e-6)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

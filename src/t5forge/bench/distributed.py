@@ -290,6 +290,9 @@ def render_markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    from t5forge.cli import configure_cpu_training
+
+    configure_cpu_training()  # an entry point, as `t5forge train`
     if len(sys.argv) >= 4 and sys.argv[1] in ("worker", "load-worker"):
         (worker if sys.argv[1] == "worker" else load_worker)(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:

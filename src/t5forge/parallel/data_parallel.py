@@ -59,7 +59,11 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     for stack in (model.encoder, model.decoder):
         for block in stack.block:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root (embedding, head, final norms) stays gathered from the end of the forward pass into the
+    # backward pass, which starts with the head (PyTorch's recommendation for roots: it would be
+    # all-gathered again at once). Resharding it also fails in torch 2.11's backward ("setStorage ...
+    # storage of size 0": the embedding is used twice).
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return model
 
 

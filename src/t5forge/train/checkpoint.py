@@ -2,16 +2,15 @@
 (resharding). A checkpoint directory holds the DCP files (`.metadata`, `*.distcp`) and `config.json`
 (the HF-style model config), and stores the model under the `model.` prefix.
 
-This module holds model-only checkpoints; training state (optimizer, RNG, data position) is added by
-the trainer."""
+This module holds model-only checkpoints (convert, eval), full training checkpoints (model, optimizer,
+RNG states; the trainer adds its JSON state) and the run's checkpoint manager (resume policy, save
+period, keep-last, HF export)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -37,21 +36,11 @@ def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-@contextlib.contextmanager
-def _single_process_dcp():
-    # DCP warns when it runs without a process group (model-only checkpoints are read and written by
-    # one process: convert, eval); that use is intended.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
-        yield
-
-
 def save_model_checkpoint(model: T5ForConditionalGeneration, path: str | os.PathLike) -> None:
     """Write the model (HF tensor names, stored dtypes) as a new DCP checkpoint directory, atomically."""
     state = {"model": {k: v.contiguous() for k, v in hf_state_dict(model).items()}}
     with atomic_directory(path) as staging:
-        with _single_process_dcp():
-            dcp.save(state, checkpoint_id=staging)
+        dcp.save(state, checkpoint_id=staging)
         hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
@@ -73,8 +62,7 @@ def load_model_checkpoint(
         raise CheckpointError(f"{path} holds no model tensors (no keys under {MODEL_PREFIX!r})")
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}
     try:
-        with _single_process_dcp():
-            dcp.load({"model": state}, checkpoint_id=path)
+        dcp.load({"model": state}, checkpoint_id=path)
     except Exception as e:  # DCP's read errors have no common type
         raise CheckpointError(f"cannot read the tensors of {path}: {_last_line(e)}; the checkpoint is corrupt") from e
     return build_model(config, state, dtype=dtype, device=device, source=str(path)).eval()
@@ -167,8 +155,7 @@ def save_training_checkpoint(
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
-    with _single_process_dcp():
-        dcp.save(tensors, checkpoint_id=staging)
+    dcp.save(tensors, checkpoint_id=staging)
     if main:
         state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
         hf = config_to_hf(model.config, dtype=_dtype_of(model))
@@ -221,8 +208,7 @@ def load_training_checkpoint(
     if state.get("layout") == layout:  # RNG streams belong to ranks; after resharding they start afresh
         tensors["rng"] = _rng_tensors()
     try:
-        with _single_process_dcp():
-            dcp.load(tensors, checkpoint_id=path)
+        dcp.load(tensors, checkpoint_id=path)
     except Exception as e:  # DCP's read errors have no common type
         raise CheckpointError(f"cannot read checkpoint {path}: {_last_line(e)}; it is incomplete or corrupt") from e
     groups = state.pop("optimizer_param_groups")
@@ -299,8 +285,8 @@ class CheckpointManager:
         for section, values in current.items():
             for key, value in values.items():
                 name = f"{section}.{key}"
-                identity = (section in _RUN_IDENTITY_SECTIONS or name in _RUN_IDENTITY_KEYS) and name not in _NOT_IDENTITY
-                if identity and previous[section].get(key) != value:
+                identity = section in _RUN_IDENTITY_SECTIONS or name in _RUN_IDENTITY_KEYS
+                if identity and name not in _NOT_IDENTITY and previous[section].get(key) != value:
                     differences.append(f"{name}: {previous[section].get(key)!r} -> {value!r}")
         if differences:
             raise ConfigError(

@@ -94,12 +94,13 @@ class LossScaler:
         return self.found_inf
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale.item(), "good_steps": int(self.good_steps), "skipped_steps": int(self.skipped_steps)}
+        return {"scale": self.scale.item(), "good_steps": int(self.good_steps),
+                "skipped_steps": int(self.skipped_steps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale.fill_(float(state["scale"]))
         self.good_steps.fill_(int(state["good_steps"]))
-        self.skipped_steps.fill_(int(state.get("skipped_steps", 0)))
+        self.skipped_steps.fill_(int(state["skipped_steps"]))
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, may_skip: bool) -> None:

@@ -280,7 +280,8 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         state = ckpt.load_training_checkpoint(path, self.model, self.optimizer, self.layout())
         self.scheduler.load_state_dict(state["scheduler"])
-        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        # Checkpoints of earlier versions count skipped steps beside the loss scaler.
+        self.loss_scaler.load_state_dict({"skipped_steps": state.get("skipped_steps", 0), **state["loss_scaler"]})
         self.state.step = state["step"]
         self.state.consumed_samples = state["consumed_samples"]
         self._rng_to_restore = state["rng"]
@@ -293,8 +294,7 @@ class Trainer:
         if not self.checkpoints.should_save(self.state.step, last_step):
             return None
         trainer_state = {"consumed_samples": self.state.consumed_samples, "scheduler": self.scheduler.state_dict(),
-                         "loss_scaler": self.loss_scaler.state_dict(), "layout": self.layout(),
-                         "skipped_steps": int(self.loss_scaler.skipped_steps)}
+                         "loss_scaler": self.loss_scaler.state_dict(), "layout": self.layout()}
         return self.checkpoints.save(self.state.step, self.model, self.optimizer, trainer_state, last_step=last_step)
 
     def describe(self) -> None:
