@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("suite", choices=["data", "distributed"],
                        help="data: preprocessing, loader, loader vs training step; "
-                            "distributed: per-rank memory of parallel layouts")
+                            "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
+                            "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint")
     bench.add_argument("--output-dir", default="benchmarks")
     bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
     bench.set_defaults(func=cmd_bench)

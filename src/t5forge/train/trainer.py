@@ -110,10 +110,12 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh) -> T5ForConditiona
                               "shape-free fields such as dropout_rate can be overridden when starting from a "
                               "checkpoint") from None
         config = T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}, extra=config.extra)
-    # Predicted before anything is allocated: weights, gradients and optimizer state of this rank.
-    state = summarize(config).training_gib(mixed_precision=run.precision.dtype != "fp32")["total"] * 2**30
-    shards = p.tp * (p.dp if p.zero_stage == 3 else 1)
-    check_fits(state / shards, mesh.device, f"model {run.model.preset or run.model.path}")
+    # Predicted before anything is allocated: this rank's weights, gradients and optimizer state (TP splits
+    # all of them; ZeRO 1/2/3 also shard the optimizer state / the gradients / the weights over dp).
+    parts = summarize(config).training_gib(mixed_precision=run.precision.dtype != "fp32")
+    over_dp = {"weights": p.zero_stage >= 3, "gradients": p.zero_stage >= 2, "optimizer": p.zero_stage >= 1}
+    per_rank = sum(v / (p.dp if over_dp.get(k) else 1) for k, v in parts.items() if k != "total") / p.tp
+    check_fits(per_rank * 2**30, mesh.device, f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
     parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile)
