@@ -170,7 +170,9 @@ def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, re
         assert {entry.split(":")[1] for entry in audit["devices"]} == {audit["device"]}, (layout, rank)
         assert audit["host_reads"] and all(calls == [] for calls in audit["host_reads"].values()), (layout, rank)
     if "zero1" in layout:
-        assert {"reduce_scatter_tensor", "all_gather_into_tensor"} <= {e.split(":")[0] for e in audits[0]["devices"]}
+        # Reduce-scatter of gradient sections; on CPUs the parameter sections return by broadcast (gloo's
+        # all_gather needs equal sizes).
+        assert {"reduce_scatter", "broadcast"} <= {e.split(":")[0] for e in audits[0]["devices"]}
 
 
 @pytest.mark.parametrize("layout", ["resume_dp4", "resume_tp2", "resume_single"])

@@ -79,9 +79,11 @@ class GradientBuckets:
     the same bytes, for measuring what overlap gains.
 
     ZeRO-1 (`shard=True`): in every bucket each parameter has one owner rank (largest first, to the least
-    loaded rank); the flat buffer holds the ranks' sections one after another, each padded to the same
-    length, and is reduce-scattered, so a rank receives exactly its own parameters' gradients. After the
-    optimizer step `all_gather_parameters()` gathers the updated sections in the same layout."""
+    loaded rank), so optimizer state stays per parameter and checkpoints reshard like any other layout.
+    The flat buffer holds the ranks' sections one after another, unpadded, and is reduce-scattered with
+    uneven sections (NCCL runs it as grouped reduces), so a rank receives exactly its own parameters'
+    gradients; after the optimizer step `all_gather_parameters()` gathers the updated sections in the
+    same layout. Every gradient element crosses the network as in one all-reduce, no more."""
 
     def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup, shard: bool = False,
                  bucket_bytes: int = 25 << 20, overlap: bool = True):
@@ -107,24 +109,22 @@ class GradientBuckets:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def _layout(self, bucket: list[nn.Parameter]) -> dict:
-        """Owner of each parameter and its offset in the flat buffer; section = padded length per rank."""
-        if not self.shard:
-            offsets, total = [], 0
-            for p in bucket:
-                offsets.append(total)
-                total += local(p).numel()
-            return {"owner": [self.rank] * len(bucket), "offset": offsets, "section": total}
+        """Owner of each parameter, its offset in the flat buffer, and where each rank's section starts."""
+        sizes = [local(p).numel() for p in bucket]
+        owner = [self.rank] * len(bucket)
         load = [0] * self.size
-        owner = [0] * len(bucket)
-        for i in sorted(range(len(bucket)), key=lambda i: -local(bucket[i]).numel()):
-            owner[i] = min(range(self.size), key=lambda r: load[r])
-            load[owner[i]] += local(bucket[i]).numel()
-        section = max(load)
-        offsets, filled = [0] * len(bucket), [r * section for r in range(self.size)]
-        for i, p in enumerate(bucket):
+        if self.shard:
+            for i in sorted(range(len(bucket)), key=lambda i: -sizes[i]):
+                owner[i] = min(range(self.size), key=lambda r: load[r])
+                load[owner[i]] += sizes[i]
+        else:
+            load[self.rank] = sum(sizes)
+        starts = [sum(load[:r]) for r in range(self.size)]
+        offsets, filled = [0] * len(bucket), list(starts)
+        for i in range(len(bucket)):
             offsets[i] = filled[owner[i]]
-            filled[owner[i]] += local(p).numel()
-        return {"owner": owner, "offset": offsets, "section": section}
+            filled[owner[i]] += sizes[i]
+        return {"owner": owner, "offset": offsets, "starts": starts, "sizes": load, "total": sum(load)}
 
     def owned(self) -> list[nn.Parameter]:
         """The parameters this rank updates (all of them without sharding)."""
@@ -132,12 +132,15 @@ class GradientBuckets:
                 for p, o in zip(bucket, layout["owner"]) if o == self.rank]
 
     def communicated_elements(self) -> int:
-        """Elements of the flat buffers reduced per step (padding included): the volume of one all-reduce."""
-        return sum(layout["section"] * (self.size if self.shard else 1) for layout in self.layouts)
+        """Elements of the flat buffers reduced per step: every gradient element once."""
+        return sum(layout["total"] for layout in self.layouts)
+
+    def _sections(self, flat: torch.Tensor, layout: dict) -> list[torch.Tensor]:
+        return [flat[start:start + size] for start, size in zip(layout["starts"], layout["sizes"])]
 
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
-        self.launched: list = [None] * len(self.buckets)  # (work, flat buffer) per started bucket
+        self.launched: list = [None] * len(self.buckets)  # (work, reduced buffer) per started bucket
         self.next_bucket = 0
 
     def _on_gradient(self, param: nn.Parameter) -> None:
@@ -159,14 +162,13 @@ class GradientBuckets:
         grads = [local(p.grad) if p.grad is not None else None for p in bucket]
         device = next(local(p).device for p in bucket)
         dtype = next((g.dtype for g in grads if g is not None), torch.float32)
-        length = layout["section"] * (self.size if self.shard else 1)
-        flat = torch.zeros(length, dtype=dtype, device=device)
+        flat = torch.zeros(layout["total"], dtype=dtype, device=device)
         for g, offset in zip(grads, layout["offset"]):
             if g is not None:
                 flat[offset:offset + g.numel()].copy_(g.reshape(-1))
         if self.shard:
-            out = torch.empty(layout["section"], dtype=dtype, device=device)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            out = torch.empty(layout["sizes"][self.rank], dtype=dtype, device=device)
+            work = dist.reduce_scatter(out, self._sections(flat, layout), group=self.group, async_op=True)
             self.launched[i] = (work, out)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -182,10 +184,10 @@ class GradientBuckets:
         for i in range(self.next_bucket, len(self.buckets)):
             self._launch(i)
         start = time.perf_counter()
-        for bucket, layout, (work, flat) in zip(self.buckets, self.layouts, self.launched):
+        for bucket, layout, (work, reduced) in zip(self.buckets, self.layouts, self.launched):
             work.wait()
-            flat.div_(self.size)
-            base = self.rank * layout["section"] if self.shard else 0
+            reduced.div_(self.size)
+            base = layout["starts"][self.rank]
             for p, owner, offset in zip(bucket, layout["owner"], layout["offset"]):
                 if owner != self.rank:
                     p.grad = None
@@ -193,7 +195,7 @@ class GradientBuckets:
                 if p.grad is None:  # unused on this rank, used on another: the average is still due
                     p.grad = torch.zeros_like(p)
                 g = local(p.grad)
-                g.copy_(flat[offset - base:offset - base + g.numel()].view_as(g))
+                g.copy_(reduced[offset - base:offset - base + g.numel()].view_as(g))
         self.wait_seconds += time.perf_counter() - start
         self._reset()
 
@@ -205,15 +207,20 @@ class GradientBuckets:
         pending = []
         for bucket, layout in zip(self.buckets, self.layouts):
             data = [local(p.detach()) for p in bucket]
-            section = torch.zeros(layout["section"], dtype=data[0].dtype, device=data[0].device)
-            base = self.rank * layout["section"]
+            flat = torch.empty(layout["total"], dtype=data[0].dtype, device=data[0].device)
             for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
                 if owner == self.rank:
-                    section[offset - base:offset - base + d.numel()].copy_(d.reshape(-1))
-            full = torch.empty(layout["section"] * self.size, dtype=section.dtype, device=section.device)
-            pending.append((dist.all_gather_into_tensor(full, section, group=self.group, async_op=True), full, data))
-        for (work, full, data), layout in zip(pending, self.layouts):
-            work.wait()
+                    flat[offset:offset + d.numel()].copy_(d.reshape(-1))
+            sections = self._sections(flat, layout)
+            if flat.device.type == "cuda":  # NCCL gathers uneven sections (as grouped broadcasts)
+                works = [dist.all_gather(sections, sections[self.rank].clone(), group=self.group, async_op=True)]
+            else:  # gloo's all_gather needs equal sizes: the same bytes as one broadcast per section
+                works = [dist.broadcast(section, src=dist.get_global_rank(self.group, r), group=self.group,
+                                        async_op=True) for r, section in enumerate(sections)]
+            pending.append((works, flat, data))
+        for (works, flat, data), layout in zip(pending, self.layouts):
+            for work in works:
+                work.wait()
             for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
                 if owner != self.rank:
-                    d.copy_(full[offset:offset + d.numel()].view_as(d))
+                    d.copy_(flat[offset:offset + d.numel()].view_as(d))
