@@ -220,6 +220,12 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
     return result
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+    return ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def render_markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
@@ -235,14 +241,15 @@ def render_markdown(r: dict) -> str:
         "resident set on a CPU (peak allocated on a GPU); on a CPU it includes about 0.5 GB of libraries and the "
         "activations, so differences between rows are what the layout changes.",
         "",
-        "| layout | processes | parameters MiB | gradients MiB | optimizer MiB | model state MiB | peak MiB (largest rank) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for name, entry in r["layouts"].items():
         rank = entry["largest_rank"]
         state = rank["parameters_mib"] + rank["gradients_mib"] + rank["optimizer_mib"]
-        lines.append(f"| {name} | {entry['processes']} | {rank['parameters_mib']:.1f} | {rank['gradients_mib']:.1f} | "
-                     f"{rank['optimizer_mib']:.1f} | {state:.1f} | {rank['peak_mib']:.0f} |")
+        rows.append([name, str(entry["processes"]), f"{rank['parameters_mib']:.1f}", f"{rank['gradients_mib']:.1f}",
+                     f"{rank['optimizer_mib']:.1f}", f"{state:.1f}", f"{rank['peak_mib']:.0f}"])
+    lines += _table(["layout", "processes", "parameters MiB", "gradients MiB", "optimizer MiB", "model state MiB",
+                     "peak MiB (largest rank)"], rows)
     lines += ["", "ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters "
               "between uses; tensor parallelism splits all three and the activations of attention and FFN; "
               "sequence parallelism also splits the norm and dropout activations.", ""]
@@ -258,12 +265,10 @@ def render_markdown(r: dict) -> str:
             "collectives (gloo threads) compete with the backward pass for the same 2 cores; on GPUs NCCL "
             "runs beside the compute.",
             "",
-            "| layout | step s | waiting for gradients s | share of step | elements reduced per step |",
-            "|---|---:|---:|---:|---:|",
         ]
-        for name, e in overlap.items():
-            lines.append(f"| {name} | {e['step_s']:.3f} | {e['grad_wait_s']:.3f} | {100 * e['grad_wait_share']:.1f}% | "
-                         f"{e['grad_reduced_elements']:,} |")
+        lines += _table(["layout", "step s", "waiting for gradients s", "share of step", "elements reduced per step"],
+                        [[name, f"{e['step_s']:.3f}", f"{e['grad_wait_s']:.3f}", f"{100 * e['grad_wait_share']:.1f}%",
+                          f"{e['grad_reduced_elements']:,}"] for name, e in overlap.items()])
         lines.append("")
     loading = r.get("loading") or {}
     if loading:
@@ -275,13 +280,12 @@ def render_markdown(r: dict) -> str:
             "slices it holds (`safe_open(...).get_slice`). Peak is the resident set of the process after "
             "loading (libraries included, ~0.5 GB); *before* is the same process before the model was built.",
             "",
-            "| layout | processes | held MiB per rank | peak MiB before | peak MiB after (largest rank) | seconds |",
-            "|---|---:|---:|---:|---:|---:|",
         ]
-        for name, e in loading["layouts"].items():
-            rank = e["largest_rank"]
-            lines.append(f"| {name} | {e['processes']} | {rank['held_mib']:.0f} | {rank['peak_before_mib']:.0f} | "
-                         f"{rank['peak_mib']:.0f} | {rank['seconds']:.1f} |")
+        lines += _table(["layout", "processes", "held MiB per rank", "peak MiB before", "peak MiB after (largest rank)",
+                         "seconds"],
+                        [[name, str(e["processes"]), f"{e['largest_rank']['held_mib']:.0f}",
+                          f"{e['largest_rank']['peak_before_mib']:.0f}", f"{e['largest_rank']['peak_mib']:.0f}",
+                          f"{e['largest_rank']['seconds']:.1f}"] for name, e in loading["layouts"].items()])
         lines.append("")
     lines += ["Commands: `t5forge bench distributed` (everything), or per row `torchrun --standalone "
               "--nproc-per-node N -m t5forge.bench.distributed worker CONFIG OUT key=value ...` (training) and "
