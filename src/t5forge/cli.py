@@ -168,9 +168,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run = load_config(args.config, args.overrides)
     configure_cpu_training()
-    trainer = train(run)
+    run_dir = train(run).run_dir
+    # The trainer is gone by now, collected while the interpreter is fully alive: communication handles
+    # that FSDP keeps (gloo work objects holding tensors) must not die during interpreter shutdown, where
+    # freeing them aborts the process ("terminate called without an active exception").
+    import gc
+
+    gc.collect()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"run directory: {trainer.run_dir}")
+        print(f"run directory: {run_dir}")
     return 0
 
 

@@ -12,6 +12,7 @@ gathered from the layout)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from collections import Counter
@@ -139,6 +140,7 @@ def main() -> None:
     dist.init_process_group("gloo")  # held across cases, so each trainer's mesh reuses it
     for case in cases:
         run_case(data, tokenizer, Path(out), case)
+        gc.collect()  # each case's trainer (and the communication handles it keeps) goes while Python is alive
     dist.destroy_process_group()
 
 

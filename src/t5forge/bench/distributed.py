@@ -14,6 +14,7 @@ a process). Writes OUTPUT_DIR/distributed.json and OUTPUT_DIR/distributed.md."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -79,6 +80,8 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
               "gradients_mib": params / 2**20, "optimizer_mib": _local_bytes(optimizer_tensors) / 2**20,
               "peak_mib": peak_memory_mib(trainer.device), **timer.summary()}
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    del trainer, timer, optimizer_tensors
+    gc.collect()  # communication handles must not be freed during interpreter shutdown (see cli.cmd_train)
     dist.destroy_process_group()
 
 
@@ -136,6 +139,8 @@ def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
     report = {"rank": dist.get_rank(), "seconds": seconds, "peak_before_mib": before,
               "peak_mib": peak_memory_mib(mesh.device), "held_mib": _local_bytes(set(model.parameters())) / 2**20}
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 
