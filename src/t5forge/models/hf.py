@@ -141,26 +141,28 @@ def _load_index(index_file: Path) -> list[Path]:
     return shards
 
 
-def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF model directory, whichever of the four layouts it uses."""
-    path = Path(path)
+def _weight_files(path: Path) -> tuple[bool, list[Path]]:
+    """(safetensors?, the weight files) of an HF model directory, whichever of the four layouts it uses."""
     if (path / SAFE_WEIGHTS).is_file():
-        return _load_safetensors(path / SAFE_WEIGHTS)
+        return True, [path / SAFE_WEIGHTS]
     if (path / SAFE_INDEX).is_file():
-        state: dict[str, torch.Tensor] = {}
-        for shard in _load_index(path / SAFE_INDEX):
-            state.update(_load_safetensors(shard))
-        return state
+        return True, _load_index(path / SAFE_INDEX)
     if (path / BIN_WEIGHTS).is_file():
-        return _load_bin(path / BIN_WEIGHTS)
+        return False, [path / BIN_WEIGHTS]
     if (path / BIN_INDEX).is_file():
-        state = {}
-        for shard in _load_index(path / BIN_INDEX):
-            state.update(_load_bin(shard))
-        return state
+        return False, _load_index(path / BIN_INDEX)
     raise CheckpointError(
         f"{path} has no weights: expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}"
     )
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF model directory, whichever of the four layouts it uses."""
+    safetensors, files = _weight_files(Path(path))
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(_load_safetensors(file) if safetensors else _load_bin(file))
+    return state
 
 
 class HFTensorReader:
@@ -174,25 +176,18 @@ class HFTensorReader:
         path = Path(path)
         self.path = path
         self._where: dict[str, tuple[Any, str]] = {}  # our name -> (open file or bin state dict, stored name)
-        if (path / SAFE_WEIGHTS).is_file() or (path / SAFE_INDEX).is_file():
-            files = [path / SAFE_WEIGHTS] if (path / SAFE_WEIGHTS).is_file() else _load_index(path / SAFE_INDEX)
-            for file in files:
+        safetensors, files = _weight_files(path)
+        for file in files:
+            if safetensors:
                 try:
-                    handle = safe_open(file, framework="pt")
+                    source = safe_open(file, framework="pt")
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or corrupt, copy it "
                                           "again") from e
-                for key in handle.keys():
-                    self._where[key] = (handle, key)
-        elif (path / BIN_WEIGHTS).is_file() or (path / BIN_INDEX).is_file():
-            files = [path / BIN_WEIGHTS] if (path / BIN_WEIGHTS).is_file() else _load_index(path / BIN_INDEX)
-            for file in files:
-                state = _load_bin(file)  # memory-mapped: tensors are read when sliced
-                for key in state:
-                    self._where[key] = (state, key)
-        else:
-            raise CheckpointError(
-                f"{path} has no weights: expected {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}")
+            else:
+                source = _load_bin(file)  # memory-mapped: tensors are read when sliced
+            for key in source.keys():
+                self._where[key] = (source, key)
         for alias in _EMBEDDING_ALIASES:
             stored = self._where.pop(alias, None)
             if stored is not None:

@@ -22,7 +22,7 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.hf import HFTensorReader, _load_dtype
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.activation_checkpoint import apply_ac
-from t5forge.parallel.data_parallel import apply_fsdp
+from t5forge.parallel.data_parallel import apply_fsdp, local
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.tensor_parallel import apply_tp
 
@@ -60,10 +60,6 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def _retie(model: T5ForConditionalGeneration) -> None:
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.shared.weight
@@ -78,7 +74,7 @@ def materialize(model: T5ForConditionalGeneration, device: torch.device,
     model.to_empty(device=device)
     _retie(model)
     for param, kind, value in model.init_plan():
-        target = _local(param)
+        target = local(param)
         if kind == "fill":
             target.fill_(value)
             continue
@@ -92,23 +88,19 @@ def materialize(model: T5ForConditionalGeneration, device: torch.device,
 def materialize_from_hf(model: T5ForConditionalGeneration, reader: HFTensorReader, device: torch.device,
                         dtype: torch.dtype | None = torch.float32) -> T5ForConditionalGeneration:
     """Allocate this rank's shards on `device` and fill them from an HF directory, reading only the
-    regions this rank holds. The checkpoint's names and shapes are checked first (one error for all)."""
-    stored_tied = reader.check_against(model.config)
+    regions this rank holds. `reader` must have been checked (`check_against`) against the config the
+    model was built from: that reports every missing or mis-shaped tensor and decides the tie."""
+    stored_tied = "lm_head.weight" not in reader.keys()  # check_against drops a tied copy
     if stored_tied != model.config.tie_word_embeddings:
         raise CheckpointError(f"{reader.path} stores {'no' if stored_tied else 'a separate'} lm_head.weight but the "
                               f"model is built {'untied' if stored_tied else 'tied'}; build it from the checkpoint's "
                               "config")
     model.to_empty(device=device)
     _retie(model)
-    seen = set()
-    for name, param in model.named_parameters(remove_duplicate=True):
+    for name, param in model.named_parameters():  # a tied head is listed once, as shared.weight
         name = unwrap_name(name)
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         values = reader.read(name, local_region(param))
-        target = _local(param)
-        target.copy_(values.to(_load_dtype(name, values, dtype) if dtype is not None else values.dtype))
+        local(param).copy_(values.to(_load_dtype(name, values, dtype) if dtype is not None else values.dtype))
     return model
 
 
@@ -130,12 +122,9 @@ def unwrap_name(name: str) -> str:
 
 def full_parameters(model: nn.Module):
     """(HF name, full tensor on the CPU) one parameter at a time, gathered from any layout; every rank of
-    the model's meshes must iterate together (each gather is a collective)."""
-    seen = set()
+    the model's meshes must iterate together (each gather is a collective). A tied head comes once, as
+    shared.weight (named_parameters lists a shared parameter once)."""
     for name, param in model.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         tensor = param.detach()
         yield unwrap_name(name), (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
 

@@ -320,11 +320,7 @@ class CheckpointManager:
         from t5forge.parallel.parallelize import full_parameters, unwrap_name
 
         main = not dist.is_initialized() or dist.get_rank() == 0
-        seen, sizes = set(), {}
-        for name, param in model.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                sizes[unwrap_name(name)] = param.numel() * param.element_size()
+        sizes = {unwrap_name(name): param.numel() * param.element_size() for name, param in model.named_parameters()}
         tensors = full_parameters(model)
         target = self.run_dir / "hf"
         if not main:
