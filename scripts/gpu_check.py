@@ -104,16 +104,10 @@ def check_parity(shape: list[str], device: torch.device, work: Path) -> dict:
             b = hf_d(input_ids=inputs, attention_mask=mask, labels=labels)
         result[f"{name}_logits_max_abs_diff"] = (a.logits.float() - b.logits.float()).abs().max().item()
         result[f"{name}_loss_abs_diff"] = abs(a.loss.item() - b.loss.item())
-    hf = HFModel.from_pretrained(path).to(device).train()  # fresh fp32 weights (the loop above rounded them)
+    # Fresh fp32 weights (the loop above rounded them); train mode, deterministic: the saved config has
+    # dropout_rate 0 (hf_reference), so both models run without dropout.
+    hf = HFModel.from_pretrained(path).to(device).train()
     ours.train()
-    for module in (hf, ours):
-        for m in module.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-    ours.config.dropout_rate = 0.0
-    for m in ours.modules():
-        if hasattr(m, "dropout") and isinstance(m.dropout, float):
-            m.dropout = 0.0
     ours(input_ids=inputs, attention_mask=mask, labels=labels).loss.backward()
     hf(input_ids=inputs, attention_mask=mask, labels=labels).loss.backward()
     hf_grads = dict(hf.named_parameters())
