@@ -57,6 +57,7 @@ class TrainConfig:
     resume: str = "auto"  # auto | never | a checkpoint directory
     export_hf: bool = True  # write RUN_DIR/hf at the end
     compile: bool = False  # torch.compile every block (first step logs the compile time)
+    comm_audit: bool = False  # audit the collectives of one step (the 2nd): table in the log, comm_audit.json
 
 
 @dataclass

@@ -67,6 +67,24 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     return model
 
 
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+def partition_buckets(sizes: list[int], element_size: int, bucket_bytes: int) -> list[list[int]]:
+    """Indices of parameters (of `sizes` elements each, in registration order) grouped into buckets of at
+    least `bucket_bytes`, in reverse order (roughly the order in which backward finishes gradients)."""
+    buckets, current, current_bytes = [], [], 0
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        current_bytes += sizes[i] * element_size
+        if current_bytes >= bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class GradientBuckets:
     """ZeRO 0/1 gradient reduction over dp, overlapped with the backward pass.
 
@@ -86,22 +104,15 @@ class GradientBuckets:
     same layout. Every gradient element crosses the network as in one all-reduce, no more."""
 
     def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup, shard: bool = False,
-                 bucket_bytes: int = 25 << 20, overlap: bool = True):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
         self.group, self.shard, self.overlap = dp_group, shard, overlap
         self.size, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True  # False on the micro-batches before the last one of a step
         self.wait_seconds = 0.0  # host time spent waiting for gradient collectives (the exposed part)
         params = [p for p in params if p.requires_grad]
-        self.buckets: list[list[nn.Parameter]] = []
-        current, current_bytes = [], 0
-        for p in reversed(params):
-            current.append(p)
-            current_bytes += local(p).numel() * local(p).element_size()
-            if current_bytes >= bucket_bytes:
-                self.buckets.append(current)
-                current, current_bytes = [], 0
-        if current:
-            self.buckets.append(current)
+        sizes = [local(p).numel() for p in params]
+        element_size = local(params[0]).element_size() if params else 4
+        self.buckets = [[params[i] for i in bucket] for bucket in partition_buckets(sizes, element_size, bucket_bytes)]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.layouts = [self._layout(bucket) for bucket in self.buckets]
         self._reset()
@@ -157,7 +168,10 @@ class GradientBuckets:
     def _launch(self, i: int) -> None:
         bucket, layout = self.buckets[i], self.layouts[i]
         for p in bucket:  # the embedding gradient comes back replicated under TP: keep this rank's rows
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            # (partial sums over tp, of sequence-parallel norms, are averaged over dp as they are and summed
+            # over tp afterwards, all at once: tensor_parallel.reduce_partial_gradients)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements \
+                    and not any(pl.is_partial() for pl in p.grad.placements):
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [local(p.grad) if p.grad is not None else None for p in bucket]
         device = next(local(p).device for p in bucket)

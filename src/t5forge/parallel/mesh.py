@@ -72,6 +72,20 @@ class Mesh:
         self.tp_size = self.mesh["tp"].size()
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+
+    def group(self, *dims: str) -> dist.ProcessGroup | None:
+        """The process group spanning these mesh dimensions (a flattened one for two), None when they hold one
+        rank: no collective is needed there. Created once, at set-up (creating a group is collective)."""
+        dims = tuple(d for d in dims if self.mesh[d].size() > 1)
+        if dims not in self._groups:
+            if not dims:
+                self._groups[dims] = None
+            elif len(dims) == 1:
+                self._groups[dims] = self.mesh[dims[0]].get_group()
+            else:
+                self._groups[dims] = self.mesh[dims]._flatten("_".join(dims)).get_group()
+        return self._groups[dims]
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():

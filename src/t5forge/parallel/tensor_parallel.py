@@ -2,7 +2,8 @@
 
 Per block, the plan is a readable dict (see `block_plan`): q, k, v and the FFN input projections are
 split column-wise (each rank holds num_heads / tp heads, d_ff / tp hidden units), o and wo row-wise
-(their partial sums meet in one all-reduce per sub-layer), and the relative position bias is split on
+(their partial sums meet in one all-reduce per sub-layer; the input gradients meet in one all-reduce per
+sub-layer in the backward pass), and the relative position bias is split on
 its heads dimension, so every rank computes the bias of its own heads. The shared embedding is split on
 the vocabulary (one all-reduce of its output) and the LM head too: logits stay sharded on the
 vocabulary and the loss is computed under `loss_parallel()`, so full logits are never gathered. A tied
@@ -15,8 +16,11 @@ encoder output is gathered once and used by every decoder layer's cross-attentio
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -35,7 +39,11 @@ def block_plan(block, sequence_parallel: bool) -> dict:
     sp = sequence_parallel
     # Row-wise outputs: reduce-scatter to sequence shards (SP) or all-reduce to a replicated tensor.
     row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
-    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # Each sub-layer receives its input as one replicated DTensor (all-gathered from sequence shards with
+    # SP), so the partial input gradients of q, k and v (wi_0 and wi_1) add up locally and meet in one
+    # collective in the backward pass: left to themselves, each projection would all-reduce its own.
+    stream = Shard(1) if sp else Replicate()
+    gather_input = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     plan = {}
     for i, sublayer in enumerate(block.layer):
         attention_name = next((n for n in ("SelfAttention", "EncDecAttention") if hasattr(sublayer, n)), None)
@@ -46,18 +54,17 @@ def block_plan(block, sequence_parallel: bool) -> dict:
             if getattr(sublayer, attention_name).has_relative_attention_bias:
                 # Embedding(num_buckets, num_heads): column-wise = split the heads.
                 plan[f"{attention}.relative_attention_bias"] = ColwiseParallel()
-            if sp:  # (hidden states, bias) or, for cross-attention, (hidden, bias, encoder states)
-                extra = (None,) * (2 if attention_name == "EncDecAttention" else 1)
-                plan[attention] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
-                                                     desired_input_layouts=(Replicate(), *extra))
+            # (hidden states, bias) or, for cross-attention, (hidden, bias, encoder states: a DTensor already)
+            extra = (None,) * (2 if attention_name == "EncDecAttention" else 1)
+            plan[attention] = PrepareModuleInput(input_layouts=(stream, *extra),
+                                                 desired_input_layouts=(Replicate(), *extra))
         else:
             ffn = f"layer.{i}.DenseReluDense"
             for name in ("wi", "wi_0", "wi_1"):
                 if hasattr(sublayer.DenseReluDense, name):
                     plan[f"{ffn}.{name}"] = ColwiseParallel()
             plan[f"{ffn}.wo"] = row_out
-            if sp:
-                plan[ffn] = gather_input
+            plan[ffn] = gather_input
         if sp:
             plan[f"layer.{i}.layer_norm"] = SequenceParallel()
     return plan
@@ -68,6 +75,10 @@ def model_plan(sequence_parallel: bool) -> dict:
     if not sequence_parallel:
         return {
             "shared": RowwiseParallel(input_layouts=Replicate()),
+            # The encoder output as a replicated DTensor: the gradients of every decoder layer's cross-attention
+            # k and v add up locally and are all-reduced once.
+            "encoder": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                           use_local_output=False),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
     return {
@@ -98,3 +109,29 @@ def apply_tp(model: T5ForConditionalGeneration, tp_mesh: DeviceMesh, sequence_pa
     if tied:  # both are split on the vocabulary (dim 0), so one sharded parameter serves both
         model.lm_head.weight = model.shared.weight
     return model
+
+
+@torch.no_grad()
+def reduce_partial_gradients(params: list[nn.Parameter]) -> None:
+    """Sum, in one all-reduce per mesh, the gradients that are still partial sums over tensor-parallel ranks:
+    those of the norm weights under sequence parallelism (each rank saw its own tokens). DTensor would
+    all-reduce each one wherever it is next used, once in the gradient norm and again in the optimizer;
+    Megatron sums them in one collective, as here. Call after the gradients are complete (and averaged
+    over dp, which commutes with this sum)."""
+    by_mesh: dict = {}
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            by_mesh.setdefault(id(p.grad.device_mesh), []).append(p)
+    for partial in by_mesh.values():
+        mesh = partial[0].grad.device_mesh
+        dims = [i for i, pl in enumerate(partial[0].grad.placements) if pl.is_partial()]
+        if mesh.ndim != 1 or dims != [0] or any(q.grad.placements != partial[0].grad.placements for q in partial):
+            raise NotImplementedError(f"partial gradients on a {mesh.ndim}-D mesh ({partial[0].grad.placements})")
+        flat = torch.cat([q.grad.to_local().reshape(-1) for q in partial])
+        dist.all_reduce(flat, group=mesh.get_group())
+        offset = 0
+        for q in partial:
+            n = q.grad.to_local().numel()
+            q.grad = DTensor.from_local(flat[offset:offset + n].view_as(q.grad.to_local()), mesh, q.placements,
+                                        run_check=False)
+            offset += n

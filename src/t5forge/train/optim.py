@@ -115,36 +115,44 @@ def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, ma
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, sum_over=None) -> torch.Tensor:
-    """Clip the global gradient norm of parameters that may live on different meshes (plain, TP, FSDP,
-    2-D); returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None,
+                   plain_replicas: int = 1) -> torch.Tensor:
+    """Clip the global gradient norm of parameters of any layout (plain, TP, FSDP, 2-D, ZeRO-1 owners);
+    returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
 
-    The stock clip_grad_norm_ combines per-parameter norms in one operation and fails when they are
-    DTensors on different meshes; here the norm is computed per mesh (DTensor accounts for shards and
-    replicas) and the squares are added. Gradients are multiplied by a clamped coefficient rather than
-    branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped).
-    `sum_over`: a process group over which ranks hold disjoint gradients (ZeRO-1) whose squares add up."""
+    Megatron's scheme, in one all-reduce of one number: every rank adds the squares of the gradient
+    elements it holds, each divided by the number of ranks of `group` that hold the same copy, and the
+    sums meet in an all-reduce over `group` (the ranks among which gradients are split: tp, ZeRO's dp, or
+    both). A DTensor knows its copies (the mesh dimensions it is replicated on); a plain tensor is held by
+    `plain_replicas` ranks of `group`. (torch's clip_grad_norm_ all-reduces a vector of per-parameter
+    norms, and fails when DTensors live on different meshes.) Gradients are multiplied by a clamped
+    coefficient rather than branching on the norm on the host (a non-finite norm leaves them as they are:
+    the step is skipped)."""
     from collections import defaultdict
 
     from torch.distributed.tensor import DTensor
 
-    groups: dict = defaultdict(list)
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        if p.grad is not None:
-            groups[id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None].append(p.grad)
-    squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares.append(norm.float() ** 2)
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            mesh = p.grad.device_mesh
+            copies = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
+            by_copies[copies].append(p.grad.to_local())
+        else:
+            by_copies[plain_replicas].append(p.grad)
     device = next((p.device for p in params), torch.device("cpu"))
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-    if sum_over is not None:
-        torch.distributed.all_reduce(total_sq, group=sum_over)
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, grads in by_copies.items():
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        total_sq = total_sq + norms.square().sum() / copies
+    if group is not None:
+        torch.distributed.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()
     if math.isfinite(max_norm):
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coefficient = torch.where(torch.isfinite(coefficient), coefficient, 1.0)
-        for grads in groups.values():
+        for grads in by_copies.values():
             torch._foreach_mul_(grads, coefficient)
     return total

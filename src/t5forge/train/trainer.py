@@ -17,6 +17,7 @@ accumulation (TorchTitan's rule). Gradients are averaged over dp, so the loss is
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import time
@@ -38,6 +39,9 @@ from t5forge.models.hf import HFTensorReader
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, group_names, record_to_dict
+from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements
+from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, unique_parameters
 from t5forge.parallel.mesh import Mesh, build_mesh, check_layout, world_size_from_env
 from t5forge.parallel.parallelize import (
@@ -47,6 +51,7 @@ from t5forge.parallel.parallelize import (
     materialize_from_hf,
     parallelize_t5,
 )
+from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
     MetricsWriter,
@@ -213,6 +218,8 @@ class Trainer:
                               f"({self.global_batch_size}); raise it")
         if run.train.compile:
             check_compile_available()
+        if run.train.comm_audit:
+            check_covered(self.comm_layout())
 
         self.mesh = build_mesh(run.parallel)
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
@@ -260,11 +267,15 @@ class Trainer:
             self.grad_sync = GradientBuckets(self.params, self.mesh.dp_group, shard=p.zero_stage == 1,
                                              overlap=p.overlap_grad_reduce)
         owned = self.grad_sync.owned() if p.zero_stage == 1 else None
+        # The ranks among which gradients are split (TP shards; ZeRO 1-3 split them over dp): the squares of
+        # the gradient norm add up over this group.
+        self.norm_group = self.mesh.group("dp", "tp") if p.zero_stage >= 1 else self.mesh.group("tp")
         self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
         self.loss_scaler = LossScaler(run.precision, self.device)
         self.last_grad_norm = torch.full((), math.nan, device=self.device)
         self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
+        self.comm_recorder = None  # a CollectiveRecorder while a step is audited (parallel/comm_audit.py)
         self.state = TrainState()
         self._rng_to_restore: dict | None = None
         if resume_from is not None:
@@ -273,6 +284,43 @@ class Trainer:
 
     def close(self) -> None:
         self.mesh.close()
+
+    # -- communication audit ---------------------------------------------------------------------------
+    def comm_layout(self) -> Layout:
+        p = self.run.parallel
+        if self.run.train.compile:
+            raise ConfigError("train.comm_audit observes collectives as eager ops, and compiled blocks run theirs "
+                              "inside the compiled graph: set train.compile=false for the audit")
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                      backend="nccl" if torch.cuda.is_available() else "gloo", precision=self.run.precision.dtype)
+
+    def comm_requirements(self) -> dict:
+        """{(collective, mesh dim): {count, bytes}} that one step of this layout requires (comm_model)."""
+        shapes = Shapes(micro_batch_size=self.run.train.micro_batch_size, accumulation=self.accumulation,
+                        inputs_length=self.run.data.inputs_length, targets_length=self.targets_length)
+        return comm_totals(step_requirements(self.model_config, shapes, self.comm_layout()))
+
+    def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
+        """`train_step` with every collective recorded; returns its loss and the audit report (every rank
+        takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
+        recorder = CollectiveRecorder(group_names(self.mesh), self.device, self.model)
+        self.comm_recorder = recorder
+        try:
+            with recorder:
+                loss = self.train_step(micro_batches)
+        finally:
+            self.comm_recorder = None
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, record_to_dict(recorder.record))
+        report = build_report(ranks, self.comm_requirements(), self.global_batch_size,
+                              {**self.layout(), "micro_batch_size": self.run.train.micro_batch_size,
+                               "accumulation": self.accumulation, "precision": self.run.precision.dtype,
+                               "step": self.state.step + 1})
+        self.echo(format_report(report))
+        if self.mesh.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.run_dir / "comm_audit.json", json.dumps(report, indent=1))
+        return loss, report
 
     def layout(self) -> dict:
         p = self.run.parallel
@@ -328,11 +376,13 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches of a global batch; returns the loss of the
         whole global batch (all dp ranks) as a 0-d fp32 tensor on the compute device, without waiting."""
-        dp_group = self.mesh.dp_group
+        dp_group, data_parallel = self.mesh.dp_group, self.mesh.dp_size > 1
+        self._phase("bookkeeping")
         # Counted on the host batches (no device involved), then summed over dp on the device.
         counts = sum((b["labels"] != -100).sum() for b in micro_batches).to(torch.float64)
         tokens = counts.to(self.device, non_blocking=True)
-        dist.all_reduce(tokens, group=dp_group)  # target tokens of the global batch
+        if data_parallel:
+            dist.all_reduce(tokens, group=dp_group)  # target tokens of the global batch
         multiplier = self.loss_scaler.scale.double() * self.mesh.dp_size / tokens
         fsdp, tensor_parallel = self.run.parallel.zero_stage >= 2, self.mesh.tp_size > 1
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -340,23 +390,30 @@ class Trainer:
             last = i == len(micro_batches) - 1
             if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(last)
+                if self.run.parallel.zero_stage == 2:  # parameters stay gathered until the last micro-batch
+                    self.model.set_reshard_after_backward(last)
             else:
                 self.grad_sync.sync = last
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            self._phase("forward")
             with autocast(self.device, self.run.precision.dtype), \
                     (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
                 logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                     decoder_input_ids=self.model.shift_right(batch["labels"])).logits
                 loss_sum = token_loss_sum(logits, batch["labels"])
+                self._phase("backward")
                 (loss_sum * multiplier).backward()
             total += scalar(loss_sum.detach()).double()
         zero1 = self.run.parallel.zero_stage == 1
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        if self.run.parallel.sequence_parallel:
+            reduce_partial_gradients(self.params)
+        self._phase("optimizer")
         self.loss_scaler.unscale_([p.grad for p in self.params if p.grad is not None])
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
-        # ZeRO-1: each rank holds the gradients of its own parameters only; their squares add up over dp.
-        self.last_grad_norm = clip_grad_norm(self.params, max_norm, sum_over=dp_group if zero1 else None)
+        self.last_grad_norm = clip_grad_norm(self.params, max_norm, group=self.norm_group,
+                                             plain_replicas=self.mesh.tp_size)
         found_inf = self.loss_scaler.update(self.last_grad_norm)
         optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
         if zero1:
@@ -366,8 +423,15 @@ class Trainer:
         self.scheduler.step()
         for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
             p.grad = None
-        dist.all_reduce(total, group=dp_group)
+        self._phase("bookkeeping")
+        if data_parallel:
+            dist.all_reduce(total, group=dp_group)
         return (total / tokens).float()
+
+    def _phase(self, name: str) -> None:
+        """Tell an active communication audit which part of the step issues the next collectives."""
+        if self.comm_recorder is not None:
+            self.comm_recorder.phase = name
 
     def run_training(self, hooks: list | None = None) -> TrainState:
         hooks = hooks if hooks is not None else default_hooks(self)
@@ -380,11 +444,17 @@ class Trainer:
         if self._rng_to_restore is not None:  # last, so that nothing in set-up shifts the dropout stream
             ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
+        # The audited step: the second of this run when there is one (the first also builds lazy state).
+        audit_at = min(self.state.step + 2, self.max_steps) if self.run.train.comm_audit else None
+        self.comm_audit = None
         while self.state.step < self.max_steps:
             start = time.perf_counter()
             micro_batches = [next(loader) for _ in range(self.accumulation)]
             data_time = time.perf_counter() - start
-            loss = self.train_step(micro_batches)
+            if self.state.step + 1 == audit_at:
+                loss, self.comm_audit = self.audit_step(micro_batches)
+            else:
+                loss = self.train_step(micro_batches)
             self.state.step += 1
             self.state.consumed_samples += self.global_batch_size
             self.pending_losses.append(loss)

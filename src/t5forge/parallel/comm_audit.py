@@ -1,0 +1,358 @@
+"""Measuring every collective a training step issues: type, mesh dimension, bytes, count, phase, and the
+time the step waited on it.
+
+One source sees all traffic alike: a TorchDispatchMode. Every eager torch.distributed call (FSDP2's
+all-gathers and reduce-scatters, our data-parallel buckets, pipelining's send/recv, the trainer's
+bookkeeping) reaches the dispatcher as a `c10d::` op that carries its ProcessGroup, and DTensor's
+collectives arrive as `_c10d_functional::` ops that carry the group's name. Counting at this level counts
+the logical collectives a layout asks for, not the backend's implementation (gloo runs a reduce-scatter as
+an all-reduce of the full buffer). The profiler sees the same ops but not their process group, which is
+why this is written by hand (CommDebugMode only counts DTensor's).
+
+Exposed time is the time the step could not compute because it waited for a collective: the span of
+each collective call and of each wait on its result (`Work.wait`, `wait_tensor`). On CPUs (gloo) that is
+host time. On GPUs the span is measured on the compute stream with a pair of CUDA events, so what NCCL
+ran behind computation does not count and nothing synchronises until the step has ended.
+
+Bytes are the logical payload per rank: the full buffer of an all-reduce, the gathered output of an
+all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (without overload) -> collective type, for both namespaces.
+C10D_OPS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "reduce_": "reduce", "gather_": "gather",
+    "scatter_": "scatter", "barrier": "barrier",
+}
+FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+}
+PHASES = ("bookkeeping", "forward", "forward encoder", "forward decoder", "loss", "backward", "optimizer")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _c10d_bytes(kind: str, name: str, args: tuple) -> int:
+    """The logical payload of a c10d op, from its (output, input) arguments."""
+    if name == "_allgather_base_" or name == "allgather_":  # (output(s), input)
+        return _nbytes(args[0])
+    if kind == "all_gather":  # coalesced: (outputs, inputs)
+        return _nbytes(args[0])
+    if kind == "reduce_scatter":  # (output(s), input(s)): the full input
+        return _nbytes(args[1])
+    if kind == "all_to_all":  # (output, input, ...)
+        return _nbytes(args[1])
+    return _nbytes(args[0])
+
+
+def _functional_bytes(kind: str, args: tuple) -> int:
+    if kind == "all_gather":  # (input(s), group_size, group_name): the gathered output
+        return _nbytes(args[0]) * args[1]
+    return _nbytes(args[0])
+
+
+@dataclass
+class Collective:
+    kind: str
+    dim: str
+    phase: str
+    nbytes: int
+    exposed_s: float = 0.0
+
+
+@dataclass
+class StepRecord:
+    """What one audited step issued, in order, and how long it took."""
+
+    collectives: list[Collective] = field(default_factory=list)
+    step_s: float = 0.0
+
+    def totals(self) -> dict[tuple[str, str], dict]:
+        """{(type, mesh dim): {count, bytes, exposed_s}}."""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "exposed_s": 0.0})
+        for c in self.collectives:
+            entry = out[(c.kind, c.dim)]
+            entry["count"] += 1
+            entry["bytes"] += c.nbytes
+            entry["exposed_s"] += c.exposed_s
+        return dict(out)
+
+    def by_phase(self) -> dict[tuple[str, str, str], dict]:
+        """{(phase, type, mesh dim): {count, bytes}}."""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+        for c in self.collectives:
+            entry = out[(c.phase, c.kind, c.dim)]
+            entry["count"] += 1
+            entry["bytes"] += c.nbytes
+        return dict(out)
+
+
+def group_names(mesh) -> dict[str, str]:
+    """{process-group name: mesh dimension(s)} for every dimension of `mesh` (a parallel.mesh.Mesh), the
+    flattened groups it made ("dp_tp") and the default group ("world")."""
+    names = {}
+    for dim in mesh.mesh.mesh_dim_names:  # a dimension that spans every rank uses the default group
+        names.setdefault(mesh.mesh[dim].get_group().group_name, dim)
+    for dims, group in mesh._groups.items():
+        if group is not None:
+            names.setdefault(group.group_name, "_".join(dims))
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+class _Timer:
+    """Spans on the host (CPU) or on the current CUDA stream (read once, after the step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []  # (collective, start event, end event)
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, collective: Collective, started) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((collective, started, end))
+        else:
+            collective.exposed_s += time.perf_counter() - started
+
+    def resolve(self) -> None:
+        for collective, start, end in self.pending:
+            end.synchronize()
+            collective.exposed_s += start.elapsed_time(end) / 1e3
+        self.pending = []
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """While active, records every collective (see the module docstring) into `self.record`. `phase` is set
+    by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`)."""
+
+    def __init__(self, groups: dict[str, str], device: torch.device, model: torch.nn.Module | None = None):
+        super().__init__()
+        self.groups, self.model = groups, model
+        self.phase = "bookkeeping"
+        self.record = StepRecord()
+        self.timer = _Timer(device)
+        # id(Work or tensor) -> (it, Collective), for the wait that comes later; kept alive meanwhile.
+        self._pending: dict[int, tuple] = {}
+        self._handles: list = []
+        self._original_wait = None
+        self._start = 0.0
+
+    def _dim(self, group_name: str) -> str:
+        return self.groups.get(group_name, f"group {group_name}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Modes run before tensor subclasses: let DTensor turn the op into local ops and collectives
+            # first, which then come back here (as CommDebugMode does).
+            return NotImplemented
+        kwargs = kwargs or {}
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        collective = None
+        if namespace == "c10d" and name in C10D_OPS:
+            kind = C10D_OPS[name]
+            group = next(a for a in args if isinstance(a, torch.ScriptObject)
+                         and "ProcessGroup" in str(a._type()))
+            group_name = dist.ProcessGroup.unbox(group).group_name
+            collective = Collective(kind, self._dim(group_name), self.phase, _c10d_bytes(kind, name, args))
+        elif namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in FUNCTIONAL_OPS:
+            kind = FUNCTIONAL_OPS[name]
+            collective = Collective(kind, self._dim(args[-1]), self.phase, _functional_bytes(kind, args))
+        elif namespace == "_c10d_functional" and name == "wait_tensor":
+            started = self.timer.start()
+            out = func(*args, **kwargs)
+            entry = self._pending.pop(id(args[0]), None)  # the tensor the collective returned
+            if entry is not None:
+                self.timer.stop(entry[1], started)
+            return out
+        if collective is None:
+            return func(*args, **kwargs)
+        self.record.collectives.append(collective)
+        started = self.timer.start()
+        out = func(*args, **kwargs)
+        self.timer.stop(collective, started)
+        # What the step waits on later: a Work (c10d) or the returned tensor (functional).
+        pending = (out if isinstance(out, (tuple, list)) else (out,)) if namespace == "c10d" else _tensors(out)
+        for handle in pending:
+            if isinstance(handle, (dist.Work, torch.Tensor)):
+                self._pending[id(handle)] = (handle, collective)
+        return out
+
+    # -- Work.wait: where an asynchronous collective is waited for ---------------------------------------
+    def _install_wait(self) -> None:
+        original = dist.Work.wait
+        recorder = self
+
+        def wait(work, *args, **kwargs):
+            entry = recorder._pending.pop(id(work), None)
+            if entry is None:
+                return original(work, *args, **kwargs)
+            started = recorder.timer.start()
+            result = original(work, *args, **kwargs)
+            recorder.timer.stop(entry[1], started)
+            return result
+
+        self._original_wait = original
+        dist.Work.wait = wait
+
+    def _install_phase_hooks(self) -> None:
+        """forward (FSDP's root gather) -> forward encoder (its embedding included) -> forward decoder (its
+        embedding included) -> loss (LM head and cross-entropy). The trainer marks the other phases."""
+        if self.model is None:
+            return
+        model, encoder_done = self.model, [False]
+
+        def embedding(*_):
+            self.phase = "forward decoder" if encoder_done[0] else "forward encoder"
+
+        def after_encoder(*_):
+            encoder_done[0] = True
+
+        def after_decoder(*_):
+            self.phase, encoder_done[0] = "loss", False
+
+        self._handles += [model.shared.register_forward_pre_hook(embedding),
+                          model.encoder.register_forward_hook(after_encoder),
+                          model.decoder.register_forward_hook(after_decoder)]
+
+    def __enter__(self):
+        self._install_wait()
+        self._install_phase_hooks()
+        self._start = time.perf_counter()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            dist.Work.wait = self._original_wait
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            if self.timer.cuda:
+                torch.cuda.synchronize()
+            self.record.step_s = time.perf_counter() - self._start
+            self.timer.resolve()
+            self._pending = {}
+
+
+# -- the report ------------------------------------------------------------------------------------------
+def record_to_dict(record: StepRecord) -> dict:
+    """A rank's record in plain types (for all_gather_object and JSON)."""
+    return {"step_s": record.step_s,
+            "totals": [{"collective": k, "dim": d, **v} for (k, d), v in sorted(record.totals().items())],
+            "phases": [{"phase": p, "collective": k, "dim": d, **v}
+                       for (p, k, d), v in sorted(record.by_phase().items(), key=lambda i: PHASES.index(i[0][0]))]}
+
+
+def build_report(ranks: list[dict], required: dict[tuple[str, str], dict], samples_per_step: int,
+                 layout: dict) -> dict:
+    """Compare every rank's measured totals with the required ones. `ranks`: record_to_dict of each rank;
+    `required`: {(collective, dim): {count, bytes}} (comm_model.totals). A row per (collective, dim) that
+    was measured or required: rank 0's count and bytes beside the requirement, the exposed time averaged
+    over ranks and its share of the step. `ok` is true only if every rank issued exactly the requirement."""
+    measured = [{(t["collective"], t["dim"]): t for t in r["totals"]} for r in ranks]
+    keys = sorted(set(required) | {k for m in measured for k in m})
+    step_s = sum(r["step_s"] for r in ranks) / len(ranks)
+    zero = {"count": 0, "bytes": 0, "exposed_s": 0.0}
+    rows, differences = [], []
+    for key in keys:
+        need = required.get(key, {"count": 0, "bytes": 0})
+        for rank, m in enumerate(measured):
+            got = m.get(key, zero)
+            if (got["count"], got["bytes"]) != (need["count"], need["bytes"]):
+                differences.append({"rank": rank, "collective": key[0], "dim": key[1], "count": got["count"],
+                                    "bytes": got["bytes"], "required_count": need["count"],
+                                    "required_bytes": need["bytes"]})
+        got = measured[0].get(key, zero)
+        exposed = sum(m.get(key, zero)["exposed_s"] for m in measured) / len(measured)
+        rows.append({"collective": key[0], "dim": key[1], "count": got["count"], "bytes": got["bytes"],
+                     "required_count": need["count"], "required_bytes": need["bytes"],
+                     "ratio": got["bytes"] / need["bytes"] if need["bytes"] else (1.0 if not got["bytes"] else None),
+                     "exposed_ms": exposed * 1e3, "share": exposed / step_s if step_s else 0.0})
+    total_bytes = sum(r["bytes"] for r in rows)
+    total_required = sum(r["required_bytes"] for r in rows)
+    exposed_s = sum(r["exposed_ms"] for r in rows) / 1e3
+    all_ranks_bytes = sum(t["bytes"] for m in measured for t in m.values())
+    return {
+        "layout": layout, "ok": not differences, "differences": differences, "rows": rows,
+        "step_ms": step_s * 1e3, "phases": ranks[0]["phases"],
+        "totals": {"count": sum(r["count"] for r in rows), "bytes": total_bytes,
+                   "required_count": sum(r["required_count"] for r in rows), "required_bytes": total_required,
+                   "ratio": total_bytes / total_required if total_required else None,
+                   "exposed_ms": exposed_s * 1e3, "share": exposed_s / step_s if step_s else 0.0},
+        # All ranks' bytes of one step over the samples of the global batch.
+        "bytes_per_sample": all_ranks_bytes / samples_per_step,
+    }
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def format_report(report: dict) -> str:
+    """The report as a markdown table (readable in a terminal, pasteable into notes)."""
+    layout = ", ".join(f"{k}={v}" for k, v in report["layout"].items())
+    lines = [f"communication audit of one step ({layout}); per rank, rank 0's collectives, exposed time "
+             "averaged over ranks",
+             "| collective | mesh dim | count | bytes | required count | required bytes | ratio | exposed ms "
+             "| share of step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(r):
+        return "-" if r is None else f"{r:.2f}"
+
+    for r in report["rows"]:
+        lines.append(f"| {r['collective']} | {r['dim']} | {r['count']} | {_size(r['bytes'])} | {r['required_count']} | "
+                     f"{_size(r['required_bytes'])} | {ratio(r['ratio'])} | {r['exposed_ms']:.1f} | "
+                     f"{100 * r['share']:.1f}% |")
+    t = report["totals"]
+    lines.append(f"| **total** | | {t['count']} | {_size(t['bytes'])} | {t['required_count']} | "
+                 f"{_size(t['required_bytes'])} | {ratio(t['ratio'])} | {t['exposed_ms']:.1f} | "
+                 f"{100 * t['share']:.1f}% |")
+    lines.append(f"step {report['step_ms']:.0f} ms; {_size(report['bytes_per_sample'])} per sample (all ranks); "
+                 + ("issued = required" if report["ok"] else f"{len(report['differences'])} difference(s):"))
+    for d in report["differences"][:20]:
+        lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
+                     f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
+    return "\n".join(lines)

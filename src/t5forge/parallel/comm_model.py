@@ -1,0 +1,208 @@
+"""The communication a training step of a layout requires: count and bytes of every collective, per mesh
+dimension, derived from the model config, the batch shapes and the layout alone (the audit compares what
+was issued with this; the planner reuses it).
+
+Bytes are the logical payload per rank (see comm_audit.py): the buffer of an all-reduce, the gathered
+output of an all-gather, the full input of a reduce-scatter, the tensor of a broadcast. Per step, with M
+micro-batches of b samples, S input and T target tokens, hidden size d, L_e encoder and L_d decoder layers:
+
+Tensor parallel (Megatron's split), per micro-batch, over tp:
+- without sequence parallelism: one all-reduce per sub-layer in the forward pass (self-attention, FFN;
+  cross-attention in the decoder) of its output [b, S or T, d], one per sub-layer in the backward pass
+  of its input gradient, one of the gradient of the encoder output (summed over every decoder layer's
+  cross-attention first), one of the LM head's input gradient, and one of each embedding output
+  (vocabulary-parallel) in the forward pass;
+- with sequence parallelism every one of those all-reduces becomes an all-gather + a reduce-scatter of the
+  same bytes, and the encoder output is all-gathered once in the forward pass (reduce-scattered in the
+  backward pass); the norm weights' gradients (partial sums: each rank saw its own tokens) are summed in
+  one all-reduce per step;
+- the vocabulary-parallel cross-entropy: three all-reduces of [b, T] fp32 (max logit, sum of
+  exponentials, target logit), as in Megatron.
+
+Data parallel, over dp, once per step (gradient accumulation communicates only on the last micro-batch):
+- ZeRO-0: one all-reduce per gradient bucket (data_parallel.GradientBuckets), every gradient element once;
+- ZeRO-1: one reduce-scatter per bucket, and one all-gather per bucket of the updated parameters (on gloo,
+  which cannot gather uneven sections: one broadcast per rank's section, the same bytes);
+- ZeRO-2/3 (FSDP2): one all-gather of each FSDP unit's parameters (each T5 block; the root: embedding,
+  head, final norms) in the forward pass, once per step with ZeRO-2 (kept gathered across micro-batches),
+  per micro-batch with ZeRO-3, which also all-gathers every block again in the backward pass; one
+  reduce-scatter of each unit's gradients. FSDP2 pads dim 0 of every parameter to a multiple of dp; the
+  padding is part of the bytes.
+
+Bookkeeping, once per step: the target-token count and the loss sum over dp (fp64 scalars); the squared
+gradient norm over the ranks among which gradients are split (an fp32 scalar, over tp and, with ZeRO 1-3,
+dp). No collective runs over a mesh dimension of size 1."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets
+
+FP32, FP64 = 4, 8
+COLUMN_SPLIT = ("q", "k", "v", "wi", "wi_0", "wi_1")  # Linear weights [out, in]: out (dim 0) split over tp
+ROW_SPLIT = ("o", "wo")  # in (dim 1) split over tp
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    backend: str = "gloo"  # "nccl" on GPUs
+    precision: str = "fp32"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class Shapes:
+    micro_batch_size: int
+    accumulation: int
+    inputs_length: int
+    targets_length: int
+
+
+@dataclass
+class Requirement:
+    kind: str
+    dim: str
+    count: int
+    nbytes: int
+    what: str
+
+
+def check_covered(layout: Layout) -> None:
+    """Raise ConfigError for layouts this model does not describe (the audit then prints no table)."""
+    if layout.pp != 1:
+        raise ConfigError("the communication model does not cover pipeline parallelism (parallel.pp > 1) yet")
+    if layout.precision != "fp32" and layout.tp > 1:
+        raise ConfigError(f"the communication model covers tensor parallelism in fp32 only (precision.dtype="
+                          f"{layout.precision} changes the dtype of some activations); audit with "
+                          "precision.dtype=fp32")
+    if layout.sequence_parallel and layout.zero_stage >= 2:
+        raise ConfigError("the communication model does not cover sequence parallelism with FSDP (parallel."
+                          "zero_stage 2/3), whose norm-weight gradients FSDP2 reduces itself; audit with "
+                          "zero_stage 0 or 1")
+
+
+def _local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """This rank's tensor-parallel shard of a parameter (tensor_parallel.py's plan, re-derived by name)."""
+    if tp == 1:
+        return shape
+    leaf = name.split(".")[-2]
+    if name in ("shared.weight", "lm_head.weight") or leaf in COLUMN_SPLIT:
+        return (shape[0] // tp, *shape[1:])
+    if leaf in ROW_SPLIT or leaf == "relative_attention_bias":  # Embedding(buckets, heads): heads split
+        return (shape[0], shape[1] // tp)
+    return shape  # norms: replicated
+
+
+def _parameters(config: T5Config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every distinct parameter, in registration order (a tied head is listed once)."""
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def _fsdp_units(params: list[tuple[str, tuple[int, ...]]], num_layers: int,
+                num_decoder_layers: int) -> dict[str, list]:
+    units: dict[str, list] = {f"encoder.block.{i}.": [] for i in range(num_layers)}
+    units.update({f"decoder.block.{i}.": [] for i in range(num_decoder_layers)})
+    units["root"] = []
+    for name, shape in params:
+        prefix = next((u for u in units if name.startswith(u)), "root")
+        units[prefix].append((name, shape))
+    return units
+
+
+def _padded(shape: tuple[int, ...], dp: int) -> int:
+    """Elements FSDP2 communicates for one parameter: dim 0 rounded up to a multiple of dp."""
+    return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
+
+
+def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[Requirement]:
+    """Every collective a step of `layout` requires, one Requirement per (collective, mesh dim, purpose)."""
+    check_covered(layout)
+    dp, tp, M = layout.dp, layout.tp, shapes.accumulation
+    b, S, T, d = shapes.micro_batch_size, shapes.inputs_length, shapes.targets_length, config.d_model
+    L_e, L_d = config.num_layers, config.num_decoder_layers
+    out: list[Requirement] = []
+
+    def need(kind, dim, count, elements, element_size, what):
+        if count:
+            out.append(Requirement(kind, dim, count, count * elements * element_size, what))
+
+    if tp > 1:
+        enc, dec = b * S * d, b * T * d
+        if not layout.sequence_parallel:
+            need("all_reduce", "tp", M, enc, FP32, "embedding output (encoder)")
+            need("all_reduce", "tp", M, dec, FP32, "embedding output (decoder)")
+            need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer outputs")
+            need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer outputs")
+            need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer input gradients")
+            need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer input gradients")
+            need("all_reduce", "tp", M, enc, FP32, "encoder output gradient (all cross-attentions)")
+            need("all_reduce", "tp", M, dec, FP32, "LM head input gradient")
+        else:
+            for kind, mirror, phase in (("reduce_scatter", "all_gather", "forward"),
+                                        ("all_gather", "reduce_scatter", "backward")):
+                need(kind, "tp", M, enc, FP32, f"embedding output (encoder), {phase}")
+                need(kind, "tp", M, dec, FP32, f"embedding output (decoder), {phase}")
+                need(kind, "tp", M * 2 * L_e, enc, FP32, f"encoder sub-layer outputs, {phase}")
+                need(kind, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer outputs, {phase}")
+                need(mirror, "tp", M * 2 * L_e, enc, FP32, f"encoder sub-layer inputs, {phase}")
+                need(mirror, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer inputs, {phase}")
+                need(mirror, "tp", M, enc, FP32, f"encoder output, {phase}")
+                need(mirror, "tp", M, dec, FP32, f"LM head input, {phase}")
+            norms = 2 * L_e + 1 + 3 * L_d + 1
+            need("all_reduce", "tp", 1, norms * d, FP32, "norm-weight gradients (partial sums)")
+        need("all_reduce", "tp", M * 3, b * T, FP32, "vocabulary-parallel cross-entropy")
+
+    if dp > 1:
+        params = [(n, _local_shape(n, s, tp)) for n, s in _parameters(config)]
+        zero = layout.zero_stage
+        if zero < 2:
+            sizes = [math.prod(s) for _, s in params]
+            buckets = partition_buckets(sizes, FP32, layout.bucket_bytes)
+            for bucket in buckets:
+                elements = sum(sizes[i] for i in bucket)
+                if zero == 0:
+                    need("all_reduce", "dp", 1, elements, FP32, "gradient bucket")
+                else:
+                    need("reduce_scatter", "dp", 1, elements, FP32, "gradient bucket")
+                    if layout.backend == "gloo":  # one broadcast per rank's section, the same bytes
+                        out.append(Requirement("broadcast", "dp", dp, elements * FP32, "parameter bucket"))
+                    else:
+                        need("all_gather", "dp", 1, elements, FP32, "parameter bucket")
+        else:
+            param_size = 2 if layout.precision == "bf16" else FP32  # FSDP's param_dtype
+            gathers = 1 if zero == 2 else M
+            for unit, members in _fsdp_units(params, L_e, L_d).items():
+                elements = sum(_padded(s, dp) for _, s in members)
+                need("all_gather", "dp", gathers, elements, param_size, f"FSDP unit {unit.rstrip('.')}, forward")
+                if zero == 3 and unit != "root":
+                    need("all_gather", "dp", M, elements, param_size, f"FSDP unit {unit.rstrip('.')}, backward")
+                need("reduce_scatter", "dp", 1, elements, FP32, f"FSDP unit {unit.rstrip('.')} gradients")
+        need("all_reduce", "dp", 2, 1, FP64, "target tokens and loss of the global batch")
+
+    norm_dims = [dim for dim, size in (("dp", dp if layout.zero_stage >= 1 else 1), ("tp", tp)) if size > 1]
+    if norm_dims:
+        need("all_reduce", "_".join(norm_dims), 1, 1, FP32, "squared gradient norm")
+    return out
+
+
+def totals(requirements: list[Requirement]) -> dict[tuple[str, str], dict]:
+    """{(collective, mesh dim): {count, bytes}}."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for r in requirements:
+        out[(r.kind, r.dim)]["count"] += r.count
+        out[(r.kind, r.dim)]["bytes"] += r.nbytes
+    return dict(out)
