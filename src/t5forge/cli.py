@@ -149,20 +149,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relaunch(nproc_per_node: int, command: list[str]) -> int:
+    """Convenience for one machine: run `t5forge COMMAND ...` under torchrun with N processes; returns the
+    exit status of the first failing rank (which printed its own error), else 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", "-m", "t5forge", *command])
+    except ChildFailedError as e:
+        return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
+    return 0
+
+
+def _check_process_count(config: str, overrides: list[str], nproc_per_node: int) -> None:
+    """Before starting processes: the layout must use exactly the processes asked for."""
+    from t5forge.config import load_config
+    from t5forge.errors import ConfigError
+
+    p = load_config(config, ["train.output_dir=unused", *overrides]).parallel
+    if p.dp * p.tp * p.pp != nproc_per_node:
+        raise ConfigError(f"parallel.dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp}, but "
+                          f"--nproc-per-node={nproc_per_node}; make them equal")
+
+
+def _under_launcher() -> bool:
+    import os
+
+    return "LOCAL_RANK" in os.environ
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-        # Convenience for one machine: relaunch this command under torchrun with N processes.
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import main as torchrun
-
-        try:
-            torchrun(["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "t5forge", "train",
-                      args.config, *args.overrides])
-        except ChildFailedError as e:  # the failing rank printed its error; pass its exit status on
-            return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
-        return 0
+    if args.nproc_per_node and not _under_launcher():
+        _check_process_count(args.config, args.overrides, args.nproc_per_node)
+        return _relaunch(args.nproc_per_node, ["train", args.config, *args.overrides])
     from t5forge.config import load_config
     from t5forge.train.trainer import train
 
@@ -178,6 +200,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run directory: {run_dir}")
     return 0
+
+
+EXIT_EXCESS_COMMUNICATION = 1
+
+
+def cmd_comm_audit(args: argparse.Namespace) -> int:
+    import gc
+    import os
+    import tempfile
+
+    if args.nproc_per_node and not _under_launcher():
+        _check_process_count(args.config, args.overrides, args.nproc_per_node)
+        return _relaunch(args.nproc_per_node, ["comm-audit", args.config, *args.overrides,
+                                               *(["--json"] if args.json else [])])
+    from t5forge.config import load_config
+    from t5forge.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="t5forge-comm-audit-") as scratch:
+        # Two steps (the second is audited), nothing saved, evaluated or exported; the run directory gets
+        # comm_audit.json (a scratch one when the config names none).
+        forced = ["train.max_steps=2", "train.max_samples=null", "train.resume=never", "train.export_hf=false",
+                  "train.comm_audit=true"]
+        run = load_config(args.config, [f"train.output_dir={scratch}", *args.overrides, *forced])
+        configure_cpu_training()
+        main_rank = int(os.environ.get("RANK", "0")) == 0
+        with Trainer(run, echo=(lambda *_: None) if args.json else print) as trainer:
+            trainer.run_training(hooks=[])
+            report = trainer.comm_audit
+        del trainer
+        gc.collect()  # communication handles go while the interpreter is alive (see cmd_train)
+    if args.json and main_rank:
+        print(json.dumps(report, indent=1))
+    return 0 if report["ok"] else EXIT_EXCESS_COMMUNICATION
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -252,6 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start N processes on this machine (torchrun --standalone); for several machines "
                             "run `torchrun ... -m t5forge train` on each (see README)")
     train.set_defaults(func=cmd_train)
+
+    audit = sub.add_parser(
+        "comm-audit", help="run two training steps of a layout and compare every collective of the second with "
+                           "the layout's analytic minimum (exit 1 when anything differs)",
+        description="CONFIG and key=value overrides as for `train` (train.output_dir is optional here); prints, per "
+                    "collective and mesh dimension, the count and bytes issued beside those required, and the "
+                    "time the step waited on them.")
+    audit.add_argument("config", metavar="CONFIG.yaml")
+    audit.add_argument("overrides", nargs="*", metavar="key=value")
+    audit.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON (rank 0)")
+    audit.set_defaults(func=cmd_comm_audit)
 
     evaluation = sub.add_parser("eval", help="validation/test loss, perplexity and token accuracy of a run")
     evaluation.add_argument("run_dir", metavar="RUN_DIR")

@@ -6,7 +6,8 @@ launch (process start-up is the expensive part), and write each layout's losses 
 CASE is NAME=override;override;... with config overrides, plus test-only words: `stop_after=K` (stop
 after step K, as a killed job would), `fail_on_rank=R` (rank R raises before training, to see that the
 job comes down instead of hanging), `initial_only=1` (no training: the weights as built) and `audit=1`
-(record the device of every tensor handed to a collective and the host reads of every step). Rank 0
+(record the device of every tensor handed to a collective and the host reads of every step) and
+`inject_collective=1` (a redundant collective in every forward pass, for the communication audit). Rank 0
 writes OUT/NAME.json (losses, and the audit of every rank) and OUT/NAME.safetensors (the full weights,
 gathered from the layout)."""
 
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from t5forge.config import load_config
@@ -101,16 +103,30 @@ class CollectiveDevices(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def inject_redundant_collective(trainer: Trainer) -> None:
+    """A collective no layout needs: the encoder output all-reduced once more over tp, in every forward pass
+    (as the placement inference of the system t5forge replaces did, unseen)."""
+    group = trainer.mesh.mesh["tp"].get_group()
+
+    def hook(module, args, output):
+        local = output.to_local() if isinstance(output, DTensor) else output
+        dist.all_reduce(local.detach().clone(), group=group)
+
+    trainer.model.encoder.register_forward_hook(hook)
+
+
 def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     name, _, extra = case.partition("=")
     words = [o for o in extra.split(";") if o]
     special = dict(w.split("=") for w in words
-                   if w.split("=")[0] in ("stop_after", "fail_on_rank", "initial_only", "audit"))
+                   if w.split("=")[0] in ("stop_after", "fail_on_rank", "initial_only", "audit", "inject_collective"))
     overrides = base_overrides(data, tokenizer, str(out / name)) + [w for w in words if w.split("=")[0] not in special]
     if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
         raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
     trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
     hooks = default_hooks(trainer, tensorboard=False)
+    if "inject_collective" in special:
+        inject_redundant_collective(trainer)
     if "stop_after" in special:
         hooks.append(StopAfter(trainer, int(special["stop_after"])))
     audit = {}

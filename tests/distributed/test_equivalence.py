@@ -23,6 +23,7 @@ from t5forge.cli import main
 from t5forge.config import load_config
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5Config
+from t5forge.parallel.comm_audit import format_report
 from t5forge.parallel.mesh import check_layout
 from t5forge.train.checkpoint import load_model_checkpoint
 from t5forge.train.trainer import Trainer, train
@@ -34,13 +35,16 @@ from layouts import base_overrides  # noqa: E402
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 CHECKPOINT = "save/checkpoints/step_00000003"
 FROM_HF = "model.preset=null;model.path=OUT/hf_reference"
+AUDIT = "train.comm_audit=true"  # the second step's collectives, compared with the analytic model
 FOUR_RANKS = {  # run as two "nodes" of two processes each
-    "dp2_tp2": "parallel.dp=2;parallel.tp=2",
-    "dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3",
+    "dp2_tp2": f"parallel.dp=2;parallel.tp=2;{AUDIT}",
+    "dp2_tp2_zero3": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;{AUDIT}",
+    "dp2_tp2_zero1_sp_audited": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;"
+                                f"{AUDIT}",
     "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;audit=1;"
                         "train.log_period=3",
     "audit_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;audit=1;train.log_period=3",
-    "dp4_zero2": "parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2",
+    "dp4_zero2": f"parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2;{AUDIT}",
     "save": "parallel.dp=2;parallel.tp=2;train.max_steps=6;train.save_period=3;stop_after=3",
     "resume_dp4": f"parallel.dp=4;train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
     # Built on the meta device: each rank initialises or loads only its shards.
@@ -48,16 +52,20 @@ FOUR_RANKS = {  # run as two "nodes" of two processes each
     "hf_dp2_tp2_zero3": f"{FROM_HF};parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
 }
 TWO_RANKS = {
-    "dp2": "parallel.dp=2",
+    "dp2": f"parallel.dp=2;{AUDIT}",
     "dp2_zero1": "parallel.dp=2;parallel.zero_stage=1;audit=1;train.log_period=3",
+    "dp2_zero1_audited": f"parallel.dp=2;parallel.zero_stage=1;{AUDIT}",
     "audit_dp2_zero0": "parallel.dp=2;audit=1;train.log_period=3;train.global_batch_size=16",
-    "dp2_zero2": "parallel.dp=2;parallel.zero_stage=2",
-    "dp2_zero3": "parallel.dp=2;parallel.zero_stage=3",
-    "dp2_accumulate": "parallel.dp=2;train.micro_batch_size=2",
-    "tp2": "parallel.tp=2",
-    "tp2_sp": "parallel.tp=2;parallel.sequence_parallel=true",
-    "tp2_ac_full": "parallel.tp=2;parallel.activation_checkpointing=full",
-    "tp2_sp_ac_selective": "parallel.tp=2;parallel.sequence_parallel=true;parallel.activation_checkpointing=selective",
+    "dp2_zero2": f"parallel.dp=2;parallel.zero_stage=2;train.micro_batch_size=2;{AUDIT}",
+    "dp2_zero3": f"parallel.dp=2;parallel.zero_stage=3;train.micro_batch_size=2;{AUDIT}",
+    "dp2_accumulate": f"parallel.dp=2;train.micro_batch_size=2;{AUDIT}",
+    "tp2": f"parallel.tp=2;{AUDIT}",
+    "tp2_sp": f"parallel.tp=2;parallel.sequence_parallel=true;{AUDIT}",
+    # A test-only forward hook all-reduces the encoder output once more: the audit must catch it.
+    "injected_tp2": f"parallel.tp=2;{AUDIT};inject_collective=1",
+    "tp2_ac_full": f"parallel.tp=2;parallel.activation_checkpointing=full;{AUDIT}",
+    "tp2_sp_ac_selective": "parallel.tp=2;parallel.sequence_parallel=true;parallel.activation_checkpointing=selective;"
+                           f"{AUDIT}",
     "resume_tp2": f"parallel.tp=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
     # T5 v1.0: ReLU FFN, head tied to the embedding (and rescaled), which must stay tied when sharded.
     "tied_tp2": "model.preset=t5-small;parallel.tp=2",
@@ -127,7 +135,7 @@ def relative_difference(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS}
-                                    if not n.startswith(("save", "resume", "init", "hf", "audit"))])
+                                    if not n.startswith(("save", "resume", "init", "hf", "audit", "injected"))])
 def test_layout_trains_like_one_process(layout, results):
     out, reference = results
     losses, weights = reference["tied" if layout.startswith("tied") else 3]
@@ -173,6 +181,64 @@ def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, re
         # Reduce-scatter of gradient sections; on CPUs the parameter sections return by broadcast (gloo's
         # all_gather needs equal sizes).
         assert {"reduce_scatter", "broadcast"} <= {e.split(":")[0] for e in audits[0]["devices"]}
+
+
+AUDITED = [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if AUDIT in spec and not n.startswith("injected")]
+
+
+def comm_audit(out: Path, layout: str) -> dict:
+    return json.loads((out / layout / "comm_audit.json").read_text())
+
+
+def measured(report: dict, collective: str, dim: str) -> tuple[int, int]:
+    row = next((r for r in report["rows"] if (r["collective"], r["dim"]) == (collective, dim)), None)
+    return (row["count"], row["bytes"]) if row else (0, 0)
+
+
+@pytest.mark.parametrize("layout", AUDITED)
+def test_every_collective_of_a_step_equals_the_analytic_minimum(layout, results):
+    out, _ = results
+    report = comm_audit(out, layout)
+    assert report["ok"], format_report(report)
+    assert report["differences"] == []
+    assert report["rows"] and report["totals"]["ratio"] == 1.0
+    for row in report["rows"]:
+        assert (row["count"], row["bytes"]) == (row["required_count"], row["required_bytes"]), row
+        assert 0.0 <= row["share"] < 1.0 and row["exposed_ms"] >= 0.0
+    phases = {p["phase"] for p in report["phases"]}
+    assert {"backward", "optimizer"} <= phases, phases
+    if report["layout"]["tp"] > 1:
+        assert {"forward encoder", "forward decoder", "loss"} <= phases, phases
+    if report["layout"]["dp"] > 1:
+        assert "bookkeeping" in phases, phases
+    assert report["bytes_per_sample"] > 0 and report["step_ms"] > 0
+
+
+def test_data_parallel_audit_counts_every_gradient_element_once(results):
+    """Independent of the model: the gradient bytes of a step are those of the model's parameters."""
+    out, reference = results
+    gradient_bytes = 4 * sum(t.numel() for t in reference["initial"].values())
+    assert measured(comm_audit(out, "dp2"), "all_reduce", "dp")[1] == gradient_bytes + 2 * 8  # + tokens, loss
+    zero1 = comm_audit(out, "dp2_zero1_audited")
+    assert measured(zero1, "reduce_scatter", "dp")[1] == gradient_bytes
+    assert measured(zero1, "broadcast", "dp")[1] == gradient_bytes  # gloo's uneven all-gather
+    zero2 = comm_audit(out, "dp2_zero2")  # two micro-batches: parameters are gathered once
+    assert measured(zero2, "all_gather", "dp")[1] == gradient_bytes
+    assert measured(zero2, "reduce_scatter", "dp")[1] == gradient_bytes
+    zero3 = comm_audit(out, "dp2_zero3")  # gathered again per micro-batch and in backward
+    assert measured(zero3, "all_gather", "dp")[1] > 2 * gradient_bytes
+
+
+def test_a_redundant_collective_fails_the_audit(results):
+    out, _ = results
+    report = comm_audit(out, "injected_tp2")
+    assert not report["ok"]
+    row = next(r for r in report["rows"] if (r["collective"], r["dim"]) == ("all_reduce", "tp"))
+    assert row["count"] == row["required_count"] + 2  # once per micro-batch
+    assert row["ratio"] > 1.0
+    assert {(d["rank"], d["collective"], d["dim"]) for d in report["differences"]} == {(0, "all_reduce", "tp"),
+                                                                                      (1, "all_reduce", "tp")}
+    assert "difference(s)" in format_report(report)
 
 
 @pytest.mark.parametrize("layout", ["resume_dp4", "resume_tp2", "resume_single"])

@@ -1,8 +1,9 @@
 """Activation checkpointing applied to a plain model from outside (TorchTitan's apply_ac).
 
-- "full": every T5Block keeps only its inputs; the whole block is recomputed in the backward pass.
-- "selective": inside every block, outputs of matmuls and attention are kept and the cheap element-wise
-  ops (norms, activations, dropout masks, residual adds) are recomputed: most of the memory saving of
+- "full": every T5Block keeps only its inputs; the whole block is recomputed in the backward pass, its
+  tensor-parallel collectives included (as Megatron's full recompute).
+- "selective": inside every block, outputs of matmuls, attention and tensor-parallel collectives are kept
+  and the cheap element-wise ops (norms, activations, dropout masks, residual adds) are recomputed: most of the memory saving of
   full checkpointing on long sequences at a fraction of its recompute cost.
 Recomputation replays the same dropout masks (the RNG state is restored), so gradients are identical."""
 
@@ -30,6 +31,11 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    # Tensor-parallel collectives: recomputing one would send its bytes a second time.
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.wait_tensor.default,
 }
 
 

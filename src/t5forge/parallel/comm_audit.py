@@ -116,12 +116,16 @@ class StepRecord:
         return dict(out)
 
 
-def group_names(mesh) -> dict[str, str]:
-    """{process-group name: mesh dimension(s)} for every dimension of `mesh` (a parallel.mesh.Mesh), the
-    flattened groups it made ("dp_tp") and the default group ("world")."""
+def group_names(mesh, model: torch.nn.Module | None = None) -> dict[str, str]:
+    """{process-group name: mesh dimension(s)} for every dimension of `mesh` (a parallel.mesh.Mesh), of the
+    meshes of `model`'s DTensor parameters (FSDP2 over TP builds its own 2-D mesh, with its own groups),
+    the flattened groups `mesh` made ("dp_tp") and the default group ("world")."""
     names = {}
-    for dim in mesh.mesh.mesh_dim_names:  # a dimension that spans every rank uses the default group
-        names.setdefault(mesh.mesh[dim].get_group().group_name, dim)
+    meshes = [mesh.mesh] + [p.device_mesh for p in (model.parameters() if model is not None else [])
+                            if isinstance(p, DTensor)]
+    for device_mesh in {id(m): m for m in meshes}.values():
+        for dim in device_mesh.mesh_dim_names:  # a dimension that spans every rank uses the default group
+            names.setdefault(device_mesh[dim].get_group().group_name, dim)
     for dims, group in mesh._groups.items():
         if group is not None:
             names.setdefault(group.group_name, "_".join(dims))

@@ -17,7 +17,10 @@ Tensor parallel (Megatron's split), per micro-batch, over tp:
   backward pass); the norm weights' gradients (partial sums: each rank saw its own tokens) are summed in
   one all-reduce per step;
 - the vocabulary-parallel cross-entropy: three all-reduces of [b, T] fp32 (max logit, sum of
-  exponentials, target logit), as in Megatron.
+  exponentials, target logit), as in Megatron;
+- full activation checkpointing recomputes every block's forward pass in the backward pass, its
+  collectives included (as Megatron's full recompute) up to the last one, whose output the backward pass
+  does not need; selective checkpointing keeps their outputs.
 
 Data parallel, over dp, once per step (gradient accumulation communicates only on the last micro-batch):
 - ZeRO-0: one all-reduce per gradient bucket (data_parallel.GradientBuckets), every gradient element once;
@@ -59,6 +62,7 @@ class Layout:
     sequence_parallel: bool = False
     backend: str = "gloo"  # "nccl" on GPUs
     precision: str = "fp32"
+    activation_checkpointing: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
@@ -165,6 +169,15 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[
             norms = 2 * L_e + 1 + 3 * L_d + 1
             need("all_reduce", "tp", 1, norms * d, FP32, "norm-weight gradients (partial sums)")
         need("all_reduce", "tp", M * 3, b * T, FP32, "vocabulary-parallel cross-entropy")
+        if layout.activation_checkpointing == "full":  # each block's forward again, in the backward pass
+            # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's
+            # early stop), so the output collective of a block's last sub-layer is not issued again.
+            outputs = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
+            need(outputs, "tp", M * (2 - 1) * L_e, enc, FP32, "encoder sub-layer outputs, recomputed")
+            need(outputs, "tp", M * (3 - 1) * L_d, dec, FP32, "decoder sub-layer outputs, recomputed")
+            if layout.sequence_parallel:
+                need("all_gather", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer inputs, recomputed")
+                need("all_gather", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer inputs, recomputed")
 
     if dp > 1:
         params = [(n, _local_shape(n, s, tp)) for n, s in _parameters(config)]

@@ -292,7 +292,8 @@ class Trainer:
             raise ConfigError("train.comm_audit observes collectives as eager ops, and compiled blocks run theirs "
                               "inside the compiled graph: set train.compile=false for the audit")
         return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
-                      backend="nccl" if torch.cuda.is_available() else "gloo", precision=self.run.precision.dtype)
+                      backend="nccl" if torch.cuda.is_available() else "gloo", precision=self.run.precision.dtype,
+                      activation_checkpointing=p.activation_checkpointing)
 
     def comm_requirements(self) -> dict:
         """{(collective, mesh dim): {count, bytes}} that one step of this layout requires (comm_model)."""
@@ -303,7 +304,7 @@ class Trainer:
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded; returns its loss and the audit report (every rank
         takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
-        recorder = CollectiveRecorder(group_names(self.mesh), self.device, self.model)
+        recorder = CollectiveRecorder(group_names(self.mesh, self.model), self.device, self.model)
         self.comm_recorder = recorder
         try:
             with recorder:

@@ -1,0 +1,126 @@
+"""`t5forge comm-audit` in one process, the recorder on collectives it must attribute, and the layouts the
+analytic model refuses. The equality of measured and required communication for every parallel layout is
+tested with the layouts themselves (tests/distributed/test_equivalence.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from t5forge.cli import main
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.parallel.comm_audit import CollectiveRecorder
+from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements, totals
+from t5forge.train.trainer import Trainer
+
+TINY_MODEL = {"vocab_size": 2176, "d_model": 32, "d_ff": 48, "d_kv": 8, "num_heads": 4, "num_layers": 2,
+              "num_decoder_layers": 2}
+
+
+@pytest.fixture
+def config(tmp_path, dataset_prefix, tokenizer_dir):
+    path = tmp_path / "audit.yaml"
+    overrides = "\n".join(f"    {k}: {v}" for k, v in TINY_MODEL.items())
+    path.write_text(f"""model:
+  preset: t5-v1_1-small
+  dropout_rate: 0.0
+  overrides:
+{overrides}
+data:
+  dataset: {dataset_prefix}
+  tokenizer: {tokenizer_dir}
+  inputs_length: 64
+  num_workers: 0
+train:
+  micro_batch_size: 2
+  global_batch_size: 4
+  max_steps: 50
+""")
+    return path
+
+
+def test_one_process_issues_no_collective(config, capsys):
+    assert main(["comm-audit", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["rows"] == [] and report["totals"]["bytes"] == 0
+    assert report["layout"]["accumulation"] == 2 and report["layout"]["step"] == 2
+
+
+def test_an_injected_collective_exits_1_with_the_table(config, capsys, monkeypatch):
+    train_step = Trainer.train_step
+
+    def with_extra_collective(self, micro_batches):
+        dist.all_reduce(torch.zeros(3, device=self.device))  # not part of any layout's plan
+        return train_step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "train_step", with_extra_collective)
+    assert main(["comm-audit", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "| all_reduce |" in out and "1 difference(s)" in out
+    assert "issued 1 x / 12 B, required 0 x / 0 B" in out
+
+
+def test_train_comm_audit_writes_the_report_into_the_run_directory(config, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", str(config), f"train.output_dir={run_dir}", "train.max_steps=2", "train.comm_audit=true",
+                 "train.export_hf=false"]) == 0
+    assert "communication audit of one step" in capsys.readouterr().out
+    assert json.loads((run_dir / "comm_audit.json").read_text())["ok"]
+
+
+def test_a_process_count_that_does_not_fit_the_layout_is_refused_before_launching(config, capsys):
+    assert main(["comm-audit", str(config), "parallel.dp=2", "parallel.tp=2", "--nproc-per-node", "2"]) == 2
+    assert "= 4, but --nproc-per-node=2" in capsys.readouterr().err
+
+
+def test_compiled_blocks_cannot_be_audited(config, capsys):
+    assert main(["comm-audit", str(config), "train.compile=true"]) == 2
+    assert "set train.compile=false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout, message", [
+    (Layout(pp=2), "pipeline parallelism"),
+    (Layout(tp=2, precision="bf16"), "fp32 only"),
+    (Layout(dp=2, tp=2, zero_stage=3, sequence_parallel=True), "sequence parallelism with FSDP"),
+])
+def test_layouts_outside_the_model_are_refused(layout, message):
+    with pytest.raises(ConfigError, match=message):
+        check_covered(layout)
+
+
+def test_fsdp_padding_is_part_of_the_required_bytes():
+    """dp=3 does not divide d_model=32: FSDP2 pads dim 0 of every parameter to a multiple of 3."""
+    config = T5Config(**TINY_MODEL)
+    shapes = Shapes(micro_batch_size=2, accumulation=1, inputs_length=64, targets_length=14)
+    with torch.device("meta"):
+        params = [p.shape for p in T5ForConditionalGeneration(config).parameters()]
+    padded = sum(math.ceil(s[0] / 3) * 3 * math.prod(s[1:]) for s in params)
+    assert padded > sum(math.prod(s) for s in params)
+    required = totals(step_requirements(config, shapes, Layout(dp=3, zero_stage=2)))
+    assert required[("all_gather", "dp")] == {"count": 2 * 2 + 1, "bytes": 4 * padded}
+    assert required[("reduce_scatter", "dp")] == {"count": 2 * 2 + 1, "bytes": 4 * padded}
+
+
+def test_the_recorder_names_the_group_and_times_the_wait(tmp_path):
+    """A one-rank group: the collective is attributed to it by name, with its bytes and phase."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        recorder = CollectiveRecorder({group.group_name: "dp"}, torch.device("cpu"))
+        with recorder:
+            recorder.phase = "backward"
+            dist.all_reduce(torch.ones(5, dtype=torch.float64), group=group)
+            work = dist.all_gather_into_tensor(torch.empty(4), torch.ones(4), group=group, async_op=True)
+            work.wait()
+        record = recorder.record
+        assert [(c.kind, c.dim, c.phase, c.nbytes) for c in record.collectives] == [
+            ("all_reduce", "dp", "backward", 40), ("all_gather", "dp", "backward", 16)]
+        assert all(c.exposed_s > 0 for c in record.collectives)
+        assert record.step_s >= sum(c.exposed_s for c in record.collectives)
+    finally:
+        dist.destroy_process_group()
