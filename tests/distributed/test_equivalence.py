@@ -61,6 +61,10 @@ TWO_RANKS = {
     "dp2_accumulate": f"parallel.dp=2;train.micro_batch_size=2;{AUDIT}",
     "tp2": f"parallel.tp=2;{AUDIT}",
     "tp2_sp": f"parallel.tp=2;parallel.sequence_parallel=true;{AUDIT}",
+    # Mixed precision changes the dtype of some tensor-parallel collectives (audited only: not fp32 numerics).
+    "audit_tp2_fp16": f"parallel.tp=2;precision.dtype=fp16;{AUDIT}",
+    "audit_tp2_sp_bf16_ac_full": "parallel.tp=2;parallel.sequence_parallel=true;precision.dtype=bf16;"
+                                 f"parallel.activation_checkpointing=full;{AUDIT}",
     # A test-only forward hook all-reduces the encoder output once more: the audit must catch it.
     "injected_tp2": f"parallel.tp=2;{AUDIT};inject_collective=1",
     "tp2_ac_full": f"parallel.tp=2;parallel.activation_checkpointing=full;{AUDIT}",

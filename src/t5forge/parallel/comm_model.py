@@ -3,7 +3,9 @@ dimension, derived from the model config, the batch shapes and the layout alone 
 was issued with this; the planner reuses it).
 
 Bytes are the logical payload per rank (see comm_audit.py): the buffer of an all-reduce, the gathered
-output of an all-gather, the full input of a reduce-scatter, the tensor of a broadcast. Per step, with M
+output of an all-gather, the full input of a reduce-scatter, the tensor of a broadcast; fp32 unless said
+otherwise (mixed precision changes the dtype of the attention/FFN output projections' collectives and of
+FSDP's bf16 parameter gathers, nothing else). Per step, with M
 micro-batches of b samples, S input and T target tokens, hidden size d, L_e encoder and L_d decoder layers:
 
 Tensor parallel (Megatron's split), per micro-batch, over tp:
@@ -87,10 +89,6 @@ def check_covered(layout: Layout) -> None:
     """Raise ConfigError for layouts this model does not describe (the audit then prints no table)."""
     if layout.pp != 1:
         raise ConfigError("the communication model does not cover pipeline parallelism (parallel.pp > 1) yet")
-    if layout.precision != "fp32" and layout.tp > 1:
-        raise ConfigError(f"the communication model covers tensor parallelism in fp32 only (precision.dtype="
-                          f"{layout.precision} changes the dtype of some activations); audit with "
-                          "precision.dtype=fp32")
     if layout.sequence_parallel and layout.zero_stage >= 2:
         raise ConfigError("the communication model does not cover sequence parallelism with FSDP (parallel."
                           "zero_stage 2/3), whose norm-weight gradients FSDP2 reduces itself; audit with "
@@ -146,11 +144,14 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[
 
     if tp > 1:
         enc, dec = b * S * d, b * T * d
+        # Under autocast the o and wo projections output the compute dtype, and so do the gradients of those
+        # outputs; embeddings, norms and every input gradient stay fp32.
+        half = 2 if layout.precision in ("bf16", "fp16") else FP32
         if not layout.sequence_parallel:
             need("all_reduce", "tp", M, enc, FP32, "embedding output (encoder)")
             need("all_reduce", "tp", M, dec, FP32, "embedding output (decoder)")
-            need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer outputs")
-            need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer outputs")
+            need("all_reduce", "tp", M * 2 * L_e, enc, half, "encoder sub-layer outputs")
+            need("all_reduce", "tp", M * 3 * L_d, dec, half, "decoder sub-layer outputs")
             need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer input gradients")
             need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer input gradients")
             need("all_reduce", "tp", M, enc, FP32, "encoder output gradient (all cross-attentions)")
@@ -160,8 +161,8 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[
                                         ("all_gather", "reduce_scatter", "backward")):
                 need(kind, "tp", M, enc, FP32, f"embedding output (encoder), {phase}")
                 need(kind, "tp", M, dec, FP32, f"embedding output (decoder), {phase}")
-                need(kind, "tp", M * 2 * L_e, enc, FP32, f"encoder sub-layer outputs, {phase}")
-                need(kind, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer outputs, {phase}")
+                need(kind, "tp", M * 2 * L_e, enc, half, f"encoder sub-layer outputs, {phase}")
+                need(kind, "tp", M * 3 * L_d, dec, half, f"decoder sub-layer outputs, {phase}")
                 need(mirror, "tp", M * 2 * L_e, enc, FP32, f"encoder sub-layer inputs, {phase}")
                 need(mirror, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer inputs, {phase}")
                 need(mirror, "tp", M, enc, FP32, f"encoder output, {phase}")
@@ -173,8 +174,8 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[
             # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's
             # early stop), so the output collective of a block's last sub-layer is not issued again.
             outputs = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
-            need(outputs, "tp", M * (2 - 1) * L_e, enc, FP32, "encoder sub-layer outputs, recomputed")
-            need(outputs, "tp", M * (3 - 1) * L_d, dec, FP32, "decoder sub-layer outputs, recomputed")
+            need(outputs, "tp", M * (2 - 1) * L_e, enc, half, "encoder sub-layer outputs, recomputed")
+            need(outputs, "tp", M * (3 - 1) * L_d, dec, half, "decoder sub-layer outputs, recomputed")
             if layout.sequence_parallel:
                 need("all_gather", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer inputs, recomputed")
                 need("all_gather", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer inputs, recomputed")

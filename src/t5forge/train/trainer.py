@@ -42,7 +42,7 @@ from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, group_names, record_to_dict
 from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
-from t5forge.parallel.data_parallel import GradientBuckets, unique_parameters
+from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
 from t5forge.parallel.mesh import Mesh, build_mesh, check_layout, world_size_from_env
 from t5forge.parallel.parallelize import (
     COMPUTE_DTYPES,
@@ -411,7 +411,7 @@ class Trainer:
         if self.run.parallel.sequence_parallel:
             reduce_partial_gradients(self.params)
         self._phase("optimizer")
-        self.loss_scaler.unscale_([p.grad for p in self.params if p.grad is not None])
+        self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
         self.last_grad_norm = clip_grad_norm(self.params, max_norm, group=self.norm_group,
                                              plain_replicas=self.mesh.tp_size)
