@@ -210,7 +210,10 @@ def test_every_collective_of_a_step_equals_the_analytic_minimum(layout, results)
         assert (row["count"], row["bytes"]) == (row["required_count"], row["required_bytes"]), row
         assert 0.0 <= row["share"] < 1.0 and row["exposed_ms"] >= 0.0
     phases = {p["phase"] for p in report["phases"]}
-    assert {"backward", "optimizer"} <= phases, phases
+    assert "backward" in phases, phases
+    layout_ = report["layout"]
+    if layout_["tp"] > 1 or layout_["zero_stage"] >= 1:  # the gradient norm is split over ranks
+        assert "optimizer" in phases, phases
     if report["layout"]["tp"] > 1:
         assert {"forward encoder", "forward decoder", "loss"} <= phases, phases
     if report["layout"]["dp"] > 1:

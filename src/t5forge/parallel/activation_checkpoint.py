@@ -3,8 +3,8 @@
 - "full": every T5Block keeps only its inputs; the whole block is recomputed in the backward pass, its
   tensor-parallel collectives included (as Megatron's full recompute).
 - "selective": inside every block, outputs of matmuls, attention and tensor-parallel collectives are kept
-  and the cheap element-wise ops (norms, activations, dropout masks, residual adds) are recomputed: most of the memory saving of
-  full checkpointing on long sequences at a fraction of its recompute cost.
+  and the cheap element-wise ops (norms, activations, dropout masks, residual adds) are recomputed: most
+  of the memory saving of full checkpointing on long sequences at a fraction of its recompute cost.
 Recomputation replays the same dropout masks (the RNG state is restored), so gradients are identical."""
 
 from __future__ import annotations

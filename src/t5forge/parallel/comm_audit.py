@@ -285,26 +285,26 @@ def record_to_dict(record: StepRecord) -> dict:
                        for (p, k, d), v in sorted(record.by_phase().items(), key=lambda i: PHASES.index(i[0][0]))]}
 
 
-def build_report(ranks: list[dict], required: dict[tuple[str, str], dict], samples_per_step: int,
+def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]], samples_per_step: int,
                  layout: dict) -> dict:
-    """Compare every rank's measured totals with the required ones. `ranks`: record_to_dict of each rank;
-    `required`: {(collective, dim): {count, bytes}} (comm_model.totals). A row per (collective, dim) that
-    was measured or required: rank 0's count and bytes beside the requirement, the exposed time averaged
-    over ranks and its share of the step. `ok` is true only if every rank issued exactly the requirement."""
+    """Compare every rank's measured totals with its required ones. `ranks`: record_to_dict of each rank;
+    `required`: each rank's {(collective, dim): {count, bytes}} (comm_model.totals). A row per (collective,
+    dim) that was measured or required: rank 0's count and bytes beside its requirement, the exposed time
+    averaged over ranks and its share of the step. `ok` is true only if every rank issued exactly its
+    requirement."""
     measured = [{(t["collective"], t["dim"]): t for t in r["totals"]} for r in ranks]
-    keys = sorted(set(required) | {k for m in measured for k in m})
+    keys = sorted({k for need in required for k in need} | {k for m in measured for k in m})
     step_s = sum(r["step_s"] for r in ranks) / len(ranks)
     zero = {"count": 0, "bytes": 0, "exposed_s": 0.0}
     rows, differences = [], []
     for key in keys:
-        need = required.get(key, {"count": 0, "bytes": 0})
         for rank, m in enumerate(measured):
-            got = m.get(key, zero)
+            got, need = m.get(key, zero), required[rank].get(key, {"count": 0, "bytes": 0})
             if (got["count"], got["bytes"]) != (need["count"], need["bytes"]):
                 differences.append({"rank": rank, "collective": key[0], "dim": key[1], "count": got["count"],
                                     "bytes": got["bytes"], "required_count": need["count"],
                                     "required_bytes": need["bytes"]})
-        got = measured[0].get(key, zero)
+        got, need = measured[0].get(key, zero), required[0].get(key, {"count": 0, "bytes": 0})
         exposed = sum(m.get(key, zero)["exposed_s"] for m in measured) / len(measured)
         rows.append({"collective": key[0], "dim": key[1], "count": got["count"], "bytes": got["bytes"],
                      "required_count": need["count"], "required_bytes": need["bytes"],

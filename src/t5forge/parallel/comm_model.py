@@ -17,7 +17,7 @@ Tensor parallel (Megatron's split), per micro-batch, over tp:
 - with sequence parallelism every one of those all-reduces becomes an all-gather + a reduce-scatter of the
   same bytes, and the encoder output is all-gathered once in the forward pass (reduce-scattered in the
   backward pass); the norm weights' gradients (partial sums: each rank saw its own tokens) are summed in
-  one all-reduce per step;
+  one all-reduce per step (under ZeRO-1 only those of the norms the rank owns);
 - the vocabulary-parallel cross-entropy: three all-reduces of [b, T] fp32 (max logit, sum of
   exponentials, target logit), as in Megatron;
 - full activation checkpointing recomputes every block's forward pass in the backward pass, its
@@ -48,7 +48,7 @@ import torch
 
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets
+from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, assign_owners, partition_buckets
 
 FP32, FP64 = 4, 8
 COLUMN_SPLIT = ("q", "k", "v", "wi", "wi_0", "wi_1")  # Linear weights [out, in]: out (dim 0) split over tp
@@ -130,8 +130,23 @@ def _padded(shape: tuple[int, ...], dp: int) -> int:
     return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
 
-def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[Requirement]:
-    """Every collective a step of `layout` requires, one Requirement per (collective, mesh dim, purpose)."""
+def _owned_parameters(config: T5Config, layout: Layout, dp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters whose gradients rank `dp_rank` keeps after the gradient reduction: all of them, except
+    under ZeRO-1, where each bucket's parameters have one owner (data_parallel.assign_owners)."""
+    params = [(n, _local_shape(n, s, layout.tp)) for n, s in _parameters(config)]
+    if layout.zero_stage != 1 or layout.dp == 1:
+        return params
+    sizes = [math.prod(s) for _, s in params]
+    owned = []
+    for bucket in partition_buckets(sizes, FP32, layout.bucket_bytes):
+        owners = assign_owners([sizes[i] for i in bucket], layout.dp)
+        owned += [params[i] for i, o in zip(bucket, owners) if o == dp_rank]
+    return owned
+
+
+def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank: int = 0) -> list[Requirement]:
+    """Every collective a step of `layout` requires from a rank at data-parallel coordinate `dp_rank` (only
+    ZeRO-1 makes ranks differ), one Requirement per (collective, mesh dim, purpose)."""
     check_covered(layout)
     dp, tp, M = layout.dp, layout.tp, shapes.accumulation
     b, S, T, d = shapes.micro_batch_size, shapes.inputs_length, shapes.targets_length, config.d_model
@@ -167,8 +182,8 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout) -> list[
                 need(mirror, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer inputs, {phase}")
                 need(mirror, "tp", M, enc, FP32, f"encoder output, {phase}")
                 need(mirror, "tp", M, dec, FP32, f"LM head input, {phase}")
-            norms = 2 * L_e + 1 + 3 * L_d + 1
-            need("all_reduce", "tp", 1, norms * d, FP32, "norm-weight gradients (partial sums)")
+            norms = [n for n, _ in _owned_parameters(config, layout, dp_rank) if "layer_norm" in n]
+            need("all_reduce", "tp", 1, len(norms) * d, FP32, "norm-weight gradients (partial sums)")
         need("all_reduce", "tp", M * 3, b * T, FP32, "vocabulary-parallel cross-entropy")
         if layout.activation_checkpointing == "full":  # each block's forward again, in the backward pass
             # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's

@@ -85,6 +85,15 @@ def partition_buckets(sizes: list[int], element_size: int, bucket_bytes: int) ->
     return buckets
 
 
+def assign_owners(sizes: list[int], ranks: int) -> list[int]:
+    """ZeRO-1: the rank that updates each parameter of a bucket (largest first, to the least loaded rank)."""
+    owner, load = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(ranks), key=lambda r: load[r])
+        load[owner[i]] += sizes[i]
+    return owner
+
+
 class GradientBuckets:
     """ZeRO 0/1 gradient reduction over dp, overlapped with the backward pass.
 
@@ -122,14 +131,10 @@ class GradientBuckets:
     def _layout(self, bucket: list[nn.Parameter]) -> dict:
         """Owner of each parameter, its offset in the flat buffer, and where each rank's section starts."""
         sizes = [local(p).numel() for p in bucket]
-        owner = [self.rank] * len(bucket)
+        owner = assign_owners(sizes, self.size) if self.shard else [self.rank] * len(bucket)
         load = [0] * self.size
-        if self.shard:
-            for i in sorted(range(len(bucket)), key=lambda i: -sizes[i]):
-                owner[i] = min(range(self.size), key=lambda r: load[r])
-                load[owner[i]] += sizes[i]
-        else:
-            load[self.rank] = sum(sizes)
+        for size, o in zip(sizes, owner):
+            load[o] += size
         starts = [sum(load[:r]) for r in range(self.size)]
         offsets, filled = [0] * len(bucket), list(starts)
         for i in range(len(bucket)):

@@ -296,10 +296,10 @@ class Trainer:
                       activation_checkpointing=p.activation_checkpointing)
 
     def comm_requirements(self) -> dict:
-        """{(collective, mesh dim): {count, bytes}} that one step of this layout requires (comm_model)."""
+        """{(collective, mesh dim): {count, bytes}} that one step of this layout requires of this rank (comm_model)."""
         shapes = Shapes(micro_batch_size=self.run.train.micro_batch_size, accumulation=self.accumulation,
                         inputs_length=self.run.data.inputs_length, targets_length=self.targets_length)
-        return comm_totals(step_requirements(self.model_config, shapes, self.comm_layout()))
+        return comm_totals(step_requirements(self.model_config, shapes, self.comm_layout(), self.mesh.dp_rank))
 
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded; returns its loss and the audit report (every rank
@@ -311,9 +311,9 @@ class Trainer:
                 loss = self.train_step(micro_batches)
         finally:
             self.comm_recorder = None
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, record_to_dict(recorder.record))
-        report = build_report(ranks, self.comm_requirements(), self.global_batch_size,
+        gathered = [None] * dist.get_world_size()  # (measured, required) of every rank
+        dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(self.comm_requirements().items())))
+        report = build_report([m for m, _ in gathered], [dict(r) for _, r in gathered], self.global_batch_size,
                               {**self.layout(), "micro_batch_size": self.run.train.micro_batch_size,
                                "accumulation": self.accumulation, "precision": self.run.precision.dtype,
                                "step": self.state.step + 1})

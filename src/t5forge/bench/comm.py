@@ -1,0 +1,121 @@
+"""`t5forge bench comm`: the communication audit of the layouts that cost the system t5forge replaces 3x
+its throughput on two nodes, at CPU scale: a 12-layer, hidden-768 T5 (t5-base), "mp2" (dp2 x tp2) on one
+"node" of 4 processes and dp4 x mp2 on two "nodes" (two torchrun agents x 4 processes). Each layout runs
+`t5forge comm-audit` (two steps, the second audited): the table per collective and mesh dimension, bytes
+per sample, the exposed share of the step, and the ratio to the analytic minimum. Writes
+OUTPUT_DIR/comm.json and OUTPUT_DIR/comm.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# name: (agents ("nodes"), processes per agent, overrides). ZeRO-2 and full recompute as in the seed's
+# Megatron-style case (mp2, ZeRO-2, activation checkpointing on).
+LAYOUTS = {
+    "1n4g: mp2 (dp2 x tp2), ZeRO-2, full recompute": (
+        1, 4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"]),
+    "2n4g: dp4 x mp2, ZeRO-2, full recompute": (
+        2, 4, ["parallel.dp=4", "parallel.tp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"]),
+}
+MODEL = ["model.preset=t5-base", "model.dropout_rate=0"]  # 12 + 12 layers, d_model 768, 12 heads
+BATCH = ["data.inputs_length=512", "train.micro_batch_size=2"]  # 512 -> 114 tokens, as the seed's runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _audit(config: Path, agents: int, processes: int, overrides: list[str], work: Path, name: str) -> dict:
+    """One `t5forge comm-audit --json` job of `agents` torchrun agents; returns rank 0's report."""
+    with tempfile.TemporaryDirectory(dir=work) as scratch:
+        if agents == 1:
+            launch = ["--standalone"]
+        else:
+            port = _free_port()
+            launch = ["--nnodes", str(agents), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                      "--rdzv-id", f"comm-{port}"]
+        command = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={processes}",
+                   "-m", "t5forge", "comm-audit", str(config), *overrides, "--json"]
+        threads = max(1, (os.cpu_count() or 1) // (agents * processes))
+        env = {**os.environ, "TMPDIR": scratch, "OMP_NUM_THREADS": str(threads)}
+        jobs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                for _ in range(agents)]
+        outputs = [job.communicate() for job in jobs]
+    reports = [json.loads(out) for out, _ in outputs if out.strip().startswith("{")]
+    if not reports:
+        raise RuntimeError(f"layout {name!r} failed:\n" + "\n".join(err[-3000:] for _, err in outputs))
+    return reports[0]
+
+
+def run_comm_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, layouts: dict = LAYOUTS,
+                       model: list[str] = MODEL, batch: list[str] = BATCH) -> dict:
+    """Audit every layout; `model` and `batch` are overrides (tests shrink them)."""
+    from t5forge.bench.data import _machine, _prepare
+    from t5forge.data.preprocess import preprocess
+    from t5forge.fileio import write_text_atomic
+    from t5forge.parallel.comm_audit import format_report
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus, tokenizer = _prepare(work, 8000)
+    prefix = work / "python-docs-w1"
+    if not prefix.with_suffix(".idx").is_file():
+        preprocess([corpus], tokenizer, prefix)
+    config = work / "comm-bench.yaml"
+    config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
+    results = {}
+    for name, (agents, processes, overrides) in layouts.items():
+        report = _audit(config, agents, processes, [*model, *batch, *overrides], work, name)
+        results[name] = {"agents": agents, "processes_per_agent": processes, "overrides": overrides,
+                         "report": report, "table": format_report(report)}
+    result = {"machine": _machine(), "model": model, "batch": batch, "layouts": results}
+    out = Path(output_dir)
+    write_text_atomic(out / "comm.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out / "comm.md", render_markdown(result))
+    return result
+
+
+def render_markdown(r: dict) -> str:
+    from t5forge.bench.distributed import _table as table
+
+    m = r["machine"]
+    lines = [
+        "# Communication audit of the seed's layouts",
+        "",
+        f"Measured with `t5forge bench comm` on {m['cpu']} ({m['cores']} cores, gloo), torch {m['torch']}: "
+        f"`t5forge comm-audit` with {' '.join(r['model'] + r['batch'])}, fp32, global batch = micro-batch x dp. "
+        "Each \"node\" is one torchrun agent on this machine. Step 2 of 2 is audited; every rank's collectives "
+        "are compared with the analytic minimum of the layout (`parallel/comm_model.py`).",
+        "",
+        "*Bytes per sample*: every rank's collective payload of the step over the samples of the global batch. "
+        "*Exposed*: the time the step waited on collectives (not hidden behind computation), averaged over "
+        "ranks. On this CPU the processes share 2 cores, so time shares say little about GPUs; bytes and "
+        "counts are exact.",
+        "",
+    ]
+    rows = []
+    for name, e in r["layouts"].items():
+        rep = e["report"]
+        t = rep["totals"]
+        rows.append([name, f"{e['agents']} x {e['processes_per_agent']}", f"{rep['step_ms'] / 1e3:.1f}",
+                     f"{t['count']}", f"{t['bytes'] / 2**20:.1f}", f"{rep['bytes_per_sample'] / 2**20:.1f}",
+                     f"{100 * t['share']:.1f}%", "-" if t["ratio"] is None else f"{t['ratio']:.2f}",
+                     "yes" if rep["ok"] else "NO"])
+    lines += table(["layout", "agents x processes", "step s", "collectives per rank", "MiB per rank",
+                    "MiB per sample", "exposed share", "ratio to minimum", "issued = required"], rows)
+    for name, e in r["layouts"].items():
+        lines += ["", f"## {name}", "", e["table"], "", "Per phase (rank 0):", ""]
+        lines += table(["phase", "collective", "mesh dim", "count", "bytes"],
+                       [[p["phase"], p["collective"], p["dim"], str(p["count"]), f"{p['bytes']:,}"]
+                        for p in e["report"]["phases"]])
+    lines += ["", "Command: `t5forge bench comm` (or one layout: `t5forge comm-audit CONFIG key=value ... "
+              "--nproc-per-node N`, or under torchrun on each node).", ""]
+    return "\n".join(lines)
