@@ -6,7 +6,10 @@
    step after warm-up that is not a log step (any host synchronisation in the step raises);
 3. fp16 steps with dynamic loss scaling (an overflowing initial scale must be skipped and counted);
 4. a checkpoint saved mid-run and resumed: the losses of the resumed steps against the straight run;
-5. the HF export of the resumed run, loaded by transformers, against t5forge's logits.
+5. the HF export of the resumed run, loaded by transformers, against t5forge's logits;
+6. the communication audit's recorder on the device's backend (NCCL on a GPU): an asynchronous all-reduce
+   issued before a matrix product and waited for after it is seen with its bytes, and its exposed time,
+   measured with CUDA events on the compute stream, is finite and within the recorded span.
 Writes OUTPUT/gpu_check.json (samples/s, tokens/s, MFU, peak memory, every check's numbers).
 
 `--cpu` runs the same steps with tiny shapes on the CPU (the test suite does, so this script cannot rot);
@@ -121,6 +124,36 @@ def check_parity(shape: list[str], device: torch.device, work: Path) -> dict:
     return result
 
 
+def check_comm_audit(device: torch.device) -> dict:
+    """A one-rank process group on the device's backend; the recorder must see the all-reduce and time its
+    wait (events on the compute stream on a GPU, host time on a CPU)."""
+    import torch.distributed as dist
+
+    from t5forge.parallel.comm_audit import CollectiveRecorder
+    from t5forge.parallel.mesh import process_group_backend
+
+    dist.init_process_group(process_group_backend(device.type == "cuda"), store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        x = torch.ones(1 << 20, device=device)
+        a = torch.randn(512, 512, device=device)
+        recorder = CollectiveRecorder({dist.group.WORLD.group_name: "world"}, device)
+        with recorder:
+            recorder.phase = "backward"
+            work = dist.all_reduce(x, async_op=True)
+            for _ in range(10):
+                a = (a @ a).tanh()
+            work.wait()
+        record = recorder.record
+        seen = [(c.kind, c.dim, c.phase, c.nbytes) for c in record.collectives]
+        exposed = sum(c.exposed_s for c in record.collectives)
+        return {"seen": seen, "exposed_ms": exposed * 1e3, "span_ms": record.step_s * 1e3,
+                "passed": seen == [("all_reduce", "world", "backward", 4 << 20)]
+                and math.isfinite(exposed) and 0 <= exposed <= record.step_s}
+    finally:
+        dist.destroy_process_group()
+
+
 def train_run(overrides: list[str], sync_debug: bool, warmup: int = 3) -> tuple[Trainer, dict]:
     trainer = Trainer(load_config(None, overrides), echo=print)
     hooks = default_hooks(trainer, tensorboard=False)
@@ -217,10 +250,13 @@ def main() -> int:
         checks["hf_export"] = {"logits_max_abs_diff": diff.abs().max().item(),
                                "passed": diff.abs().max().item() < 1e-4}
         print("export:", checks["hf_export"], flush=True)
+
+        checks["comm_audit"] = check_comm_audit(device)
+        print("comm audit:", checks["comm_audit"], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = round(time.time() - started, 1)
-    report["passed"] = all(c.get("passed") for c in checks.values()) and len(checks) == 5
+    report["passed"] = all(c.get("passed") for c in checks.values()) and len(checks) == 6
     (output / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"passed": report["passed"], "seconds": report["seconds"]}))
     return 0 if report["passed"] else 1

@@ -20,7 +20,9 @@ def test_gpu_check_dry_run_on_the_cpu_passes_and_reports(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert report["passed"] and report["mode"] == "cpu dry run"
     checks = report["checks"]
-    assert set(checks) == {"parity", "train_bf16", "fp16_loss_scaling", "checkpoint_resume", "hf_export"}
+    assert set(checks) == {"parity", "train_bf16", "fp16_loss_scaling", "checkpoint_resume", "hf_export",
+                           "comm_audit"}
+    assert checks["comm_audit"]["seen"] == [["all_reduce", "world", "backward", 4 << 20]]
     assert checks["parity"]["fp32_logits_max_abs_diff"] < 1e-5 and checks["parity"]["fp32_grad_max_rel_diff"] < 1e-5
     assert checks["train_bf16"]["samples_per_s"] > 0 and checks["train_bf16"]["peak_memory_mib"] > 0
     assert checks["train_bf16"]["sync_debug"].startswith("skipped: ")  # said, not silently dropped

@@ -24,7 +24,7 @@ LAYOUTS = {
         2, 4, ["parallel.dp=4", "parallel.tp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"]),
 }
 MODEL = ["model.preset=t5-base", "model.dropout_rate=0"]  # 12 + 12 layers, d_model 768, 12 heads
-BATCH = ["data.inputs_length=512", "train.micro_batch_size=2"]  # 512 -> 114 tokens, as the seed's runs
+BATCH = ["data.inputs_length=512", "train.micro_batch_size=4"]  # 512 -> 114 tokens, as the seed's runs
 
 
 def _free_port() -> int:

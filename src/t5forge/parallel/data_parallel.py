@@ -10,7 +10,8 @@ What each stage shards across the dp ranks, and when data moves:
      all-reduce, optimizer memory / dp, and gradient memory of the parameters a rank does not own is
      freed after the step.
 - 2: optimizer state and gradients (FSDP2 `fully_shard`, reshard_after_forward=False). Parameters are
-     all-gathered per block in the forward pass and stay gathered through the backward pass; gradients
+     all-gathered per block in the forward pass and stay gathered through the backward pass (and the
+     micro-batches of a step: the trainer sets reshard_after_backward on the last one only); gradients
      are reduce-scattered, each rank updates its shard.
 - 3: parameters too (FSDP2, reshard_after_forward=True): parameters are gathered again for the backward
      pass and freed after each block, so a rank holds 1/dp of the model between uses.
