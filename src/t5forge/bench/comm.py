@@ -58,17 +58,11 @@ def _audit(config: Path, agents: int, processes: int, overrides: list[str], work
 def run_comm_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, layouts: dict = LAYOUTS,
                        model: list[str] = MODEL, batch: list[str] = BATCH) -> dict:
     """Audit every layout; `model` and `batch` are overrides (tests shrink them)."""
-    from t5forge.bench.data import _machine, _prepare
-    from t5forge.data.preprocess import preprocess
+    from t5forge.bench.data import _machine, prepare_training_data
     from t5forge.fileio import write_text_atomic
     from t5forge.parallel.comm_audit import format_report
 
-    work = Path(work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    corpus, tokenizer = _prepare(work, 8000)
-    prefix = work / "python-docs-w1"
-    if not prefix.with_suffix(".idx").is_file():
-        preprocess([corpus], tokenizer, prefix)
+    work, prefix, tokenizer = prepare_training_data(work_dir)
     config = work / "comm-bench.yaml"
     config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
     results = {}
@@ -95,7 +89,10 @@ def render_markdown(r: dict) -> str:
         "Each \"node\" is one torchrun agent on this machine. Step 2 of 2 is audited; every rank's collectives "
         "are compared with the analytic minimum of the layout (`parallel/comm_model.py`).",
         "",
-        "*Bytes per sample*: every rank's collective payload of the step over the samples of the global batch. "
+        "Bytes are logical payloads (the buffer of an all-reduce, the gathered output of an all-gather, the "
+        "full input of a reduce-scatter); a ring algorithm moves 2(n-1)/n of an all-reduce's payload per rank "
+        "over the wire. *Bytes per sample*: every rank's payload of the step over the samples of the global "
+        "batch. "
         "*Exposed*: the time the step waited on collectives (not hidden behind computation), averaged over "
         "ranks. On this CPU the processes share 2 cores, so time shares say little about GPUs; bytes and "
         "counts are exact.",

@@ -37,6 +37,20 @@ def _prepare(work: Path, vocab_size: int) -> tuple[Path, Path]:
     return corpus, tokenizer
 
 
+def prepare_training_data(work_dir: str | os.PathLike) -> tuple[Path, Path, Path]:
+    """The work directory holding the corpus, an 8000-piece tokenizer and the corpus as an indexed dataset
+    (each made once and reused): (work directory, dataset prefix, tokenizer directory)."""
+    from t5forge.data.preprocess import preprocess
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus, tokenizer = _prepare(work, 8000)
+    prefix = work / "python-docs-w1"
+    if not prefix.with_suffix(".idx").is_file():
+        preprocess([corpus], tokenizer, prefix)
+    return work, prefix, tokenizer
+
+
 def _span_statistics(data, samples: int) -> dict:
     sentinels = set(int(data.tokenizer.sentinel_id(i)) for i in range(100))
     noise, spans, span_lengths = [], [], []

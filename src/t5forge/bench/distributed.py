@@ -177,16 +177,10 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
                               overlap_steps: int = 4, load_layouts: dict = LOAD_LAYOUTS,
                               load_checkpoint: str | os.PathLike | None = None) -> dict:
     """All three parts; `load_checkpoint` replaces the generated mT5-XL-shaped checkpoint (tests)."""
-    from t5forge.bench.data import _machine, _prepare
-    from t5forge.data.preprocess import preprocess
+    from t5forge.bench.data import _machine, prepare_training_data
     from t5forge.fileio import write_text_atomic
 
-    work = Path(work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    corpus, tokenizer = _prepare(work, 8000)
-    prefix = work / "python-docs-w1"
-    if not prefix.with_suffix(".idx").is_file():
-        preprocess([corpus], tokenizer, prefix)
+    work, prefix, tokenizer = prepare_training_data(work_dir)
     config = work / "distributed-bench.yaml"
     config.write_text(
         "model:\n  preset: t5-small\n  dropout_rate: 0.0\n"
