@@ -137,7 +137,7 @@ def check_comm_audit(device: torch.device) -> dict:
     try:
         x = torch.ones(1 << 20, device=device)
         a = torch.randn(512, 512, device=device)
-        recorder = CollectiveRecorder({dist.group.WORLD.group_name: "world"}, device)
+        recorder = CollectiveRecorder({frozenset({0}): "world"}, device)
         with recorder:
             recorder.phase = "backward"
             work = dist.all_reduce(x, async_op=True)

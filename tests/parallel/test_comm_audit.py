@@ -106,11 +106,11 @@ def test_fsdp_padding_is_part_of_the_required_bytes():
 
 
 def test_the_recorder_names_the_group_and_times_the_wait(tmp_path):
-    """A one-rank group: the collective is attributed to it by name, with its bytes and phase."""
+    """A one-rank group: the collective is attributed to it by its members, with its bytes and phase."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
-        recorder = CollectiveRecorder({group.group_name: "dp"}, torch.device("cpu"))
+        recorder = CollectiveRecorder({frozenset({0}): "dp"}, torch.device("cpu"))
         with recorder:
             recorder.phase = "backward"
             dist.all_reduce(torch.ones(5, dtype=torch.float64), group=group)

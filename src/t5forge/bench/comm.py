@@ -33,6 +33,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _json_in(stdout: str) -> dict:
+    """The report in a job's standard output (older torch's gloo prints connection lines there too)."""
+    start = ("\n" + stdout).index("\n{")
+    return json.JSONDecoder().raw_decode(stdout[start:])[0]
+
+
 def _audit(config: Path, agents: int, processes: int, overrides: list[str], work: Path, name: str) -> dict:
     """One `t5forge comm-audit --json` job of `agents` torchrun agents; returns rank 0's report."""
     with tempfile.TemporaryDirectory(dir=work) as scratch:
@@ -49,7 +55,7 @@ def _audit(config: Path, agents: int, processes: int, overrides: list[str], work
         jobs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                 for _ in range(agents)]
         outputs = [job.communicate() for job in jobs]
-    reports = [json.loads(out) for out, _ in outputs if out.strip().startswith("{")]
+    reports = [_json_in(out) for out, _ in outputs if "\n{" in "\n" + out]
     if not reports:
         raise RuntimeError(f"layout {name!r} failed:\n" + "\n".join(err[-3000:] for _, err in outputs))
     return reports[0]

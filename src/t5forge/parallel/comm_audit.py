@@ -116,21 +116,24 @@ class StepRecord:
         return dict(out)
 
 
-def group_names(mesh, model: torch.nn.Module | None = None) -> dict[str, str]:
-    """{process-group name: mesh dimension(s)} for every dimension of `mesh` (a parallel.mesh.Mesh), of the
-    meshes of `model`'s DTensor parameters (FSDP2 over TP builds its own 2-D mesh, with its own groups),
-    the flattened groups `mesh` made ("dp_tp") and the default group ("world")."""
-    names = {}
-    meshes = [mesh.mesh] + [p.device_mesh for p in (model.parameters() if model is not None else [])
-                            if isinstance(p, DTensor)]
-    for device_mesh in {id(m): m for m in meshes}.values():
-        for dim in device_mesh.mesh_dim_names:  # a dimension that spans every rank uses the default group
-            names.setdefault(device_mesh[dim].get_group().group_name, dim)
-    for dims, group in mesh._groups.items():
+def mesh_dims(mesh) -> dict[frozenset[int], str]:
+    """{ranks of a group this rank belongs to: mesh dimension(s)} for every dimension of `mesh` (a
+    parallel.mesh.Mesh), the flattened groups it made ("dp_tp") and the whole job ("world"). Groups are
+    recognised by their members, not by identity: FSDP2 over TP may run DTensor's collectives on groups of
+    a mesh of its own (and torch 2.8 on groups of an earlier mesh of the same shape), which are the same
+    ranks and the same dimension."""
+    dims: dict[frozenset[int], str] = {}
+
+    def add(group, label):
         if group is not None:
-            names.setdefault(group.group_name, "_".join(dims))
-    names.setdefault(dist.group.WORLD.group_name, "world")
-    return names
+            dims.setdefault(frozenset(dist.get_process_group_ranks(group)), label)
+
+    for dim in mesh.mesh.mesh_dim_names:  # a dimension that spans every rank is named, not "world"
+        add(mesh.mesh.get_group(dim), dim)
+    for names, group in mesh._groups.items():
+        add(group, "_".join(names))
+    add(dist.group.WORLD, "world")
+    return dims
 
 
 class _Timer:
@@ -166,9 +169,10 @@ class CollectiveRecorder(TorchDispatchMode):
     """While active, records every collective (see the module docstring) into `self.record`. `phase` is set
     by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`)."""
 
-    def __init__(self, groups: dict[str, str], device: torch.device, model: torch.nn.Module | None = None):
+    def __init__(self, dims: dict[frozenset[int], str], device: torch.device, model: torch.nn.Module | None = None):
         super().__init__()
-        self.groups, self.model = groups, model
+        self.dims, self.model = dims, model
+        self._labels: dict[str, str] = {}  # group name -> mesh dim
         self.phase = "bookkeeping"
         self.record = StepRecord()
         self.timer = _Timer(device)
@@ -179,7 +183,13 @@ class CollectiveRecorder(TorchDispatchMode):
         self._start = 0.0
 
     def _dim(self, group_name: str) -> str:
-        return self.groups.get(group_name, f"group {group_name}")
+        """The mesh dimension of a process group (by name), from its members."""
+        if group_name not in self._labels:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+            self._labels[group_name] = self.dims.get(frozenset(ranks), f"ranks {sorted(ranks)}")
+        return self._labels[group_name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):

@@ -39,7 +39,7 @@ from t5forge.models.hf import HFTensorReader
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, group_names, record_to_dict
+from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, mesh_dims, record_to_dict
 from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
@@ -304,7 +304,7 @@ class Trainer:
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded; returns its loss and the audit report (every rank
         takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
-        recorder = CollectiveRecorder(group_names(self.mesh, self.model), self.device, self.model)
+        recorder = CollectiveRecorder(mesh_dims(self.mesh), self.device, self.model)
         self.comm_recorder = recorder
         try:
             with recorder:
