@@ -4,7 +4,8 @@ time the step waited on it.
 One source sees all traffic alike: a TorchDispatchMode. Every eager torch.distributed call (FSDP2's
 all-gathers and reduce-scatters, our data-parallel buckets, pipelining's send/recv, the trainer's
 bookkeeping) reaches the dispatcher as a `c10d::` op that carries its ProcessGroup, and DTensor's
-collectives arrive as `_c10d_functional::` ops that carry the group's name. Counting at this level counts
+collectives arrive as `_c10d_functional::` ops that carry the group's name; a group is mapped to its mesh
+dimension by its members (`mesh_dims`). Counting at this level counts
 the logical collectives a layout asks for, not the backend's implementation (gloo runs a reduce-scatter as
 an all-reduce of the full buffer). The profiler sees the same ops but not their process group, which is
 why this is written by hand (CommDebugMode only counts DTensor's).
