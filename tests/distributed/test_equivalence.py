@@ -26,6 +26,7 @@ from t5forge.models.t5 import T5Config
 from t5forge.parallel.comm_audit import format_report
 from t5forge.parallel.mesh import check_layout
 from t5forge.train.checkpoint import load_model_checkpoint
+from t5forge.train.metrics import read_metrics
 from t5forge.train.trainer import Trainer, train
 
 HERE = Path(__file__).parent
@@ -44,6 +45,7 @@ FOUR_RANKS = {  # run as two "nodes" of two processes each
     "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;audit=1;"
                         "train.log_period=3",
     "audit_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;audit=1;train.log_period=3",
+    "dp2_tp2_zero3_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;parallel.sequence_parallel=true",
     "dp4_zero2": f"parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2;{AUDIT}",
     "save": "parallel.dp=2;parallel.tp=2;train.max_steps=6;train.save_period=3;stop_after=3",
     "resume_dp4": f"parallel.dp=4;train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
@@ -148,6 +150,14 @@ def test_layout_trains_like_one_process(layout, results):
     assert set(trained) <= set(weights)
     for name, tensor in trained.items():
         torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
+    # The global gradient norm (clipping at 1.0) of every logged step, however the gradients are split.
+    def grad_norms(run: str) -> dict[int, float]:
+        return {r["iteration"]: r["grad_norm"] for r in read_metrics(out / run / "metrics.jsonl") if "grad_norm" in r}
+
+    norms = grad_norms(layout)
+    single = grad_norms("single_tied" if layout.startswith("tied") else "single_3")
+    assert norms and set(norms) <= set(single), (norms, single)
+    assert relative_difference([norms[i] for i in sorted(norms)], [single[i] for i in sorted(norms)]) < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"])

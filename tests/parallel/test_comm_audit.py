@@ -15,7 +15,13 @@ from t5forge.cli import main
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.comm_audit import CollectiveRecorder
-from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements, totals
+from t5forge.parallel.comm_model import (
+    Layout,
+    Shapes,
+    check_covered,
+    step_requirements,
+    totals,
+)
 from t5forge.train.trainer import Trainer
 
 TINY_MODEL = {"vocab_size": 2176, "d_model": 32, "d_ff": 48, "d_kv": 8, "num_heads": 4, "num_layers": 2,

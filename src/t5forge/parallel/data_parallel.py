@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from t5forge.errors import ConfigError
@@ -65,6 +65,12 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     # all-gathered again at once). Resharding it also fails in torch 2.11's backward ("setStorage ...
     # storage of size 0": the embedding is used twice).
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    if dp_mesh.device_type == "cpu":
+        # gloo has no averaging reduce-scatter, and torch 2.8 sums silently when asked for one (gradients
+        # dp times too large, hidden by AdamW; the gradient-norm equivalence test shows it): sum, then divide.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -116,32 +116,33 @@ def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, ma
 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None,
-                   plain_replicas: int = 1) -> torch.Tensor:
+                   group_dims: dict[str, int] | None = None, owner_dims: tuple[str, ...] = ()) -> torch.Tensor:
     """Clip the global gradient norm of parameters of any layout (plain, TP, FSDP, 2-D, ZeRO-1 owners);
     returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
 
     Megatron's scheme, in one all-reduce of one number: every rank adds the squares of the gradient
     elements it holds, each divided by the number of ranks of `group` that hold the same copy, and the
-    sums meet in an all-reduce over `group` (the ranks among which gradients are split: tp, ZeRO's dp, or
-    both). A DTensor knows its copies (the mesh dimensions it is replicated on); a plain tensor is held by
-    `plain_replicas` ranks of `group`. (torch's clip_grad_norm_ all-reduces a vector of per-parameter
-    norms, and fails when DTensors live on different meshes.) Gradients are multiplied by a clamped
-    coefficient rather than branching on the norm on the host (a non-finite norm leaves them as they are:
-    the step is skipped)."""
+    sums meet in an all-reduce over `group`, the ranks among which gradients are split: its mesh
+    dimensions are `group_dims` ({name: size}). A gradient is one copy along the dimensions its DTensor
+    is sharded on and along `owner_dims` (ZeRO-1: one dp rank owns each parameter), and replicated along
+    the others. (torch's clip_grad_norm_ all-reduces a vector of per-parameter norms, and fails when
+    DTensors live on different meshes.) Gradients are multiplied by a clamped coefficient rather than
+    branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped)."""
     from collections import defaultdict
 
     from torch.distributed.tensor import DTensor
 
+    group_dims = group_dims or {}
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor):
-            mesh = p.grad.device_mesh
-            copies = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_replicate())
-            by_copies[copies].append(p.grad.to_local())
-        else:
-            by_copies[plain_replicas].append(p.grad)
+        grad, one_copy = p.grad, set(owner_dims)
+        if isinstance(grad, DTensor):
+            # Sharded (Shard or _StridedShard: anything but Replicate; partial sums are summed before).
+            one_copy |= {n for n, pl in zip(grad.device_mesh.mesh_dim_names, grad.placements) if not pl.is_replicate()}
+            grad = grad.to_local()
+        by_copies[math.prod(size for dim, size in group_dims.items() if dim not in one_copy)].append(grad)
     device = next((p.device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for copies, grads in by_copies.items():

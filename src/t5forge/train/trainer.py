@@ -269,7 +269,10 @@ class Trainer:
         owned = self.grad_sync.owned() if p.zero_stage == 1 else None
         # The ranks among which gradients are split (TP shards; ZeRO 1-3 split them over dp): the squares of
         # the gradient norm add up over this group.
-        self.norm_group = self.mesh.group("dp", "tp") if p.zero_stage >= 1 else self.mesh.group("tp")
+        norm_dims = ("dp", "tp") if p.zero_stage >= 1 else ("tp",)
+        self.norm_group = self.mesh.group(*norm_dims)
+        self.norm_dims = {d: size for d, size in (("dp", self.mesh.dp_size), ("tp", self.mesh.tp_size))
+                          if d in norm_dims and size > 1}
         self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
         self.loss_scaler = LossScaler(run.precision, self.device)
@@ -413,8 +416,8 @@ class Trainer:
         self._phase("optimizer")
         self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
-        self.last_grad_norm = clip_grad_norm(self.params, max_norm, group=self.norm_group,
-                                             plain_replicas=self.mesh.tp_size)
+        self.last_grad_norm = clip_grad_norm(self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
+                                             owner_dims=("dp",) if zero1 else ())
         found_inf = self.loss_scaler.update(self.last_grad_norm)
         optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
         if zero1:
