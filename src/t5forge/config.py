@@ -89,6 +89,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | full | selective
     overlap_grad_reduce: bool = True  # ZeRO 0/1: reduce gradient buckets during the backward pass
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (micro-batches: the accumulation steps)
+    pp_layers: list[int] | None = None  # blocks per pipeline stage, encoder then decoder; None: balanced by FLOPs
+    pp_stages_per_rank: int = 2  # interleaved_1f1b: virtual stages per pipeline rank
 
 
 @dataclass
@@ -106,6 +109,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "linear", "cosine", "inverse_sqrt"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
 }
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from t5forge.config import load_config
+from t5forge.parallel.pipeline import FullParameters
 from t5forge.train.trainer import Hook, Trainer, default_hooks
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: shared test helpers
@@ -143,7 +144,10 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
         pass
     audits = [None] * dist.get_world_size()
     dist.all_gather_object(audits, audit)
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.pipeline is not None:  # each pipeline rank holds its stages: gathered on rank 0
+        state = dict(FullParameters(trainer.model, trainer.mesh).tensors())
+    else:
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.mesh.is_main:
         (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses, "audits": audits}))
         tied = trainer.model_config.tie_word_embeddings

@@ -355,6 +355,26 @@ class T5Stack(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
+    def attention_masks(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Additive masks in the dtype of `hidden_states` [batch, len, d_model]: self-attention [batch or 1, 1,
+        len, len] (padding, and causality in the decoder) and cross-attention [batch, 1, 1, source_len]."""
+        length, dtype, device = hidden_states.shape[1], hidden_states.dtype, hidden_states.device
+        # Which keys each query may see, True = attend.
+        keep = None
+        if attention_mask is not None:
+            keep = attention_mask.bool()[:, None, None, :]
+        if self.is_decoder:
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+            keep = causal if keep is None else keep & causal
+        mask = None if keep is None else additive_mask(keep, dtype)
+        cross_bias = None
+        if self.is_decoder and encoder_attention_mask is not None:
+            cross_bias = additive_mask(encoder_attention_mask.bool()[:, None, None, :], dtype)
+        return mask, cross_bias
+
     def forward(
         self,
         inputs_embeds: torch.Tensor,
@@ -363,22 +383,7 @@ class T5Stack(nn.Module):
         encoder_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding."""
-        length = inputs_embeds.shape[1]
-        dtype, device = inputs_embeds.dtype, inputs_embeds.device
-
-        # Which keys each query may see: [batch or 1, 1, q_len, k_len], True = attend.
-        keep = None
-        if attention_mask is not None:
-            keep = attention_mask.bool()[:, None, None, :]
-        if self.is_decoder:
-            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-            keep = causal if keep is None else keep & causal
-        mask = None if keep is None else additive_mask(keep, dtype)
-
-        cross_bias = None
-        if self.is_decoder and encoder_attention_mask is not None:
-            cross_bias = additive_mask(encoder_attention_mask.bool()[:, None, None, :], dtype)
-
+        mask, cross_bias = self.attention_masks(inputs_embeds, attention_mask, encoder_attention_mask)
         hidden_states = self.dropout(inputs_embeds)
         # T5/mT5: the first block's bias is reused by every block; UMT5: each block computes its own.
         position_bias = None
@@ -386,6 +391,20 @@ class T5Stack(nn.Module):
             hidden_states, position_bias = block(hidden_states, position_bias, mask, encoder_hidden_states,
                                                  cross_bias)
         return self.dropout(self.final_layer_norm(hidden_states))
+
+
+def stacks(model: nn.Module) -> list[T5Stack]:
+    """The encoder and the decoder of a model, or those of them that a pipeline stage holds."""
+    return [stack for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)) if stack is not None]
+
+
+def named_blocks(stack: T5Stack) -> list[tuple[int, nn.Module]]:
+    """(index, block) of the blocks a stack runs, in order. A pipeline stage's stack holds only its own
+    blocks, keyed by index in an nn.ModuleDict, and may keep block 0 only for its relative position
+    bias table (a block without its sub-layers, never run: not listed here)."""
+    items = stack.block.items() if isinstance(stack.block, nn.ModuleDict) else enumerate(stack.block)
+    complete = 3 if stack.is_decoder else 2
+    return [(int(i), block) for i, block in items if len(block.layer) == complete]
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import (
 )
 
 from t5forge.errors import ConfigError
-from t5forge.models.t5 import T5Block, T5ForConditionalGeneration
+from t5forge.models.t5 import T5Block, T5ForConditionalGeneration, named_blocks, stacks
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -50,10 +51,11 @@ def apply_ac(model: T5ForConditionalGeneration, mode: str) -> T5ForConditionalGe
     if mode not in ("full", "selective"):
         raise ConfigError(f"parallel.activation_checkpointing={mode!r} is not one of none, full, selective")
     context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls) if mode == "selective" else None
-    for stack in (model.encoder, model.decoder):
-        for i, block in enumerate(stack.block):
+    for stack in stacks(model):
+        for i, block in named_blocks(stack):
             if not isinstance(block, T5Block):
                 raise ConfigError("activation checkpointing was already applied to this model")
             kwargs = {"context_fn": context_fn} if context_fn else {}
-            stack.block[i] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+            stack.block[str(i) if isinstance(stack.block, nn.ModuleDict) else i] = checkpoint_wrapper(
+                block, preserve_rng_state=True, **kwargs)
     return model

@@ -37,8 +37,12 @@ def check_layout(parallel: ParallelConfig, model: T5Config, inputs_length: int, 
         raise ConfigError(
             f"parallel.dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but {world_size} process(es) are running; "
             f"make the product equal the number of processes (torchrun --nproc-per-node x --nnodes)")
-    if pp != 1:
-        raise ConfigError("pipeline parallelism is not available in this version: set parallel.pp=1")
+    if pp > 1 and parallel.zero_stage >= 2:
+        raise ConfigError(f"parallel.pp={pp} works with parallel.zero_stage 0 or 1 in this version (FSDP's ZeRO "
+                          f"{parallel.zero_stage} is not wired into the pipeline schedules); set parallel.zero_stage=1")
+    if pp > 1 and parallel.sequence_parallel:
+        raise ConfigError(f"parallel.pp={pp} does not combine with parallel.sequence_parallel in this version; set "
+                          "parallel.sequence_parallel=false")
     if parallel.zero_stage > 0 and dp == 1:
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage} shards over data-parallel ranks, and "
                           "parallel.dp=1 has none: set parallel.zero_stage=0 or parallel.dp > 1")
@@ -70,6 +74,7 @@ class Mesh:
         dp = self.mesh["dp"]
         self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
         self.tp_size = self.mesh["tp"].size()
+        self.pp_rank, self.pp_size = self.mesh["pp"].get_local_rank(), self.mesh["pp"].size()
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
         self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}

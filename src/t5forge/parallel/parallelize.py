@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from t5forge.config import ParallelConfig
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.hf import HFTensorReader, _load_dtype
-from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.models.t5 import T5ForConditionalGeneration, named_blocks, stacks
 from t5forge.parallel.activation_checkpoint import apply_ac
 from t5forge.parallel.data_parallel import apply_fsdp, local
 from t5forge.parallel.mesh import Mesh
@@ -32,9 +32,9 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 def apply_compile(model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:
     """torch.compile every encoder and decoder block (TorchTitan's per-block compile: small graphs that
     compile once and are reused by every layer of the same shape)."""
-    for stack in (model.encoder, model.decoder):
-        for i, block in enumerate(stack.block):
-            stack.block[i] = torch.compile(block)
+    for stack in stacks(model):
+        for i, block in named_blocks(stack):
+            stack.block[str(i) if isinstance(stack.block, nn.ModuleDict) else i] = torch.compile(block)
     return model
 
 
@@ -61,26 +61,38 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
 
 
 def _retie(model: T5ForConditionalGeneration) -> None:
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.shared.weight
 
 
+def named_init_plan(model: T5ForConditionalGeneration) -> list[tuple[str, torch.Size, torch.dtype, str, float]]:
+    """The model's init_plan by parameter name: (name, shape, dtype, kind, value). Taken from the whole model
+    before a pipeline stage drops what it does not hold, so that every rank draws the same stream."""
+    names = {id(p): unwrap_name(n) for n, p in model.named_parameters()}
+    return [(names[id(p)], p.shape, p.dtype, kind, value) for p, kind, value in model.init_plan()]
+
+
 @torch.no_grad()
-def materialize(model: T5ForConditionalGeneration, device: torch.device,
-                generator: torch.Generator | None = None) -> T5ForConditionalGeneration:
+def materialize(model: T5ForConditionalGeneration, device: torch.device, generator: torch.Generator | None = None,
+                plan: list | None = None) -> T5ForConditionalGeneration:
     """Allocate this rank's shards on `device` and initialise them with exactly the values a single
-    process draws from `generator` (T5ForConditionalGeneration.init_plan, in its order): each parameter
-    is drawn in full on the CPU and this rank keeps its region."""
+    process draws from `generator` (T5ForConditionalGeneration.init_plan, in its order, or `plan` from
+    `named_init_plan` of the whole model when `model` is a pipeline stage's part): each parameter is
+    drawn in full on the CPU and this rank keeps its region (nothing, for parameters of other stages)."""
+    plan = plan if plan is not None else named_init_plan(model)
     model.to_empty(device=device)
     _retie(model)
-    for param, kind, value in model.init_plan():
-        target = local(param)
+    params = {unwrap_name(n): p for n, p in model.named_parameters()}
+    for name, shape, dtype, kind, value in plan:
+        param = params.get(name)
         if kind == "fill":
-            target.fill_(value)
+            if param is not None:
+                local(param).fill_(value)
             continue
-        full = torch.empty(param.shape, dtype=param.dtype).normal_(0.0, value, generator=generator)
-        region = local_region(param)
-        target.copy_(full[region] if region is not None else full)
+        full = torch.empty(shape, dtype=dtype).normal_(0.0, value, generator=generator)
+        if param is not None:
+            region = local_region(param)
+            local(param).copy_(full[region] if region is not None else full)
     return model
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from t5forge.errors import ConfigError
-from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.models.t5 import T5ForConditionalGeneration, named_blocks, stacks
 
 
 def block_plan(block, sequence_parallel: bool) -> dict:
@@ -102,13 +102,27 @@ def apply_tp(model: T5ForConditionalGeneration, tp_mesh: DeviceMesh, sequence_pa
         if getattr(config, name) % tp:
             raise ConfigError(f"model {name}={getattr(config, name)} is not divisible by parallel.tp={tp}")
     tied = config.tie_word_embeddings
-    for stack in (model.encoder, model.decoder):
-        for block in stack.block:
+    for stack in stacks(model):
+        for _, block in named_blocks(stack):
             parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
-    parallelize_module(model, tp_mesh, model_plan(sequence_parallel))
-    if tied:  # both are split on the vocabulary (dim 0), so one sharded parameter serves both
+        if isinstance(stack.block, nn.ModuleDict) and "0" in stack.block and 0 not in dict(named_blocks(stack)):
+            # A pipeline stage's copy of block 0's relative position bias table (the rest of the block is elsewhere).
+            parallelize_module(stack.block["0"], tp_mesh,
+                               {"layer.0.SelfAttention.relative_attention_bias": ColwiseParallel()})
+    # A pipeline stage holds only some of these modules.
+    plan = {name: style for name, style in model_plan(sequence_parallel).items() if _has_module(model, name)}
+    parallelize_module(model, tp_mesh, plan)
+    if tied and hasattr(model, "lm_head"):  # both are split on the vocabulary (dim 0): one parameter serves both
         model.lm_head.weight = model.shared.weight
     return model
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 @torch.no_grad()

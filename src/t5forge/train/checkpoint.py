@@ -310,18 +310,24 @@ class CheckpointManager:
         self.echo(f"saved checkpoint {path}")
         return path
 
-    def export_hf(self, model, config, tokenizer_dir: str | os.PathLike | None = None) -> Path | None:
-        """Gather the model one parameter at a time from any layout (collective) and write RUN_DIR/hf on
-        rank 0, with the tokenizer files, holding at most one shard in memory."""
+    def export_hf(self, model, config, tokenizer_dir: str | os.PathLike | None = None, mesh=None) -> Path | None:
+        """Gather the model one parameter at a time from any layout (collective; pipeline stages send theirs
+        to rank 0) and write RUN_DIR/hf on rank 0, with the tokenizer files, holding at most one shard in
+        memory."""
         if not self.run.train.export_hf:
             return None
         from t5forge.fileio import atomic_directory
         from t5forge.models.hf import save_pretrained_streamed
         from t5forge.parallel.parallelize import full_parameters, unwrap_name
+        from t5forge.parallel.pipeline import FullParameters
 
         main = not dist.is_initialized() or dist.get_rank() == 0
-        sizes = {unwrap_name(name): param.numel() * param.element_size() for name, param in model.named_parameters()}
-        tensors = full_parameters(model)
+        if mesh is not None and mesh.pp_size > 1:
+            gathered = FullParameters(model, mesh)
+            sizes, tensors = gathered.sizes, gathered.tensors()
+        else:
+            sizes = {unwrap_name(name): p.numel() * p.element_size() for name, p in model.named_parameters()}
+            tensors = full_parameters(model)
         target = self.run_dir / "hf"
         if not main:
             for _ in tensors:  # take part in every gather

@@ -116,7 +116,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, ma
 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None,
-                   group_dims: dict[str, int] | None = None, owner_dims: tuple[str, ...] = ()) -> torch.Tensor:
+                   group_dims: dict[str, int] | None = None, owner_dims: tuple[str, ...] = (),
+                   counted_elsewhere: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
     """Clip the global gradient norm of parameters of any layout (plain, TP, FSDP, 2-D, ZeRO-1 owners);
     returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
 
@@ -127,7 +128,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None
     is sharded on and along `owner_dims` (ZeRO-1: one dp rank owns each parameter), and replicated along
     the others. (torch's clip_grad_norm_ all-reduces a vector of per-parameter norms, and fails when
     DTensors live on different meshes.) Gradients are multiplied by a clamped coefficient rather than
-    branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped)."""
+    branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped).
+    Parameters whose id is in `counted_elsewhere` (copies on several pipeline ranks) are clipped but
+    their norm is counted by another rank."""
     from collections import defaultdict
 
     from torch.distributed.tensor import DTensor
@@ -142,10 +145,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None
             # Sharded (Shard or _StridedShard: anything but Replicate; partial sums are summed before).
             one_copy |= {n for n, pl in zip(grad.device_mesh.mesh_dim_names, grad.placements) if not pl.is_replicate()}
             grad = grad.to_local()
-        by_copies[math.prod(size for dim, size in group_dims.items() if dim not in one_copy)].append(grad)
+        copies = math.inf if id(p) in counted_elsewhere else math.prod(
+            size for dim, size in group_dims.items() if dim not in one_copy)
+        by_copies[copies].append(grad)
     device = next((p.device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for copies, grads in by_copies.items():
+        if copies == math.inf:
+            continue
         norms = torch.stack(torch._foreach_norm(grads)).float()
         total_sq = total_sq + norms.square().sum() / copies
     if group is not None:

@@ -49,8 +49,10 @@ from t5forge.parallel.parallelize import (
     check_fits,
     materialize,
     materialize_from_hf,
+    named_init_plan,
     parallelize_t5,
 )
+from t5forge.parallel.pipeline import Pipeline, check_schedule, prune_to_stages, split_blocks, stage_specs
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
@@ -98,10 +100,12 @@ def build_model_config(run: RunConfig) -> T5Config:
     return T5Config(**values, extra=base.extra)
 
 
-def build_model(run: RunConfig, config: T5Config, mesh: Mesh) -> T5ForConditionalGeneration:
-    """This rank's part of the model: built on the meta device, parallelised, then its shards allocated on
-    the compute device and either loaded from the HF directory `model.path` (only the regions this rank
-    holds, cast to fp32 master weights) or initialised as one process would from `train.seed`."""
+def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
+                pp_layers: list[int] | None = None) -> T5ForConditionalGeneration:
+    """This rank's part of the model: built on the meta device, pruned to this rank's pipeline stages
+    (blocks per stage `pp_layers`, when pp > 1), parallelised, then its shards allocated on the compute
+    device and either loaded from the HF directory `model.path` (only the regions this rank holds, cast
+    to fp32 master weights) or initialised as one process would from `train.seed`."""
     p = run.parallel
     reader = None
     if run.model.path is not None:
@@ -119,14 +123,17 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh) -> T5ForConditiona
     # all of them; ZeRO 1/2/3 also shard the optimizer state / the gradients / the weights over dp).
     parts = summarize(config).training_gib(mixed_precision=run.precision.dtype != "fp32")
     over_dp = {"weights": p.zero_stage >= 3, "gradients": p.zero_stage >= 2, "optimizer": p.zero_stage >= 1}
-    per_rank = sum(v / (p.dp if over_dp.get(k) else 1) for k, v in parts.items() if k != "total") / p.tp
+    per_rank = sum(v / (p.dp if over_dp.get(k) else 1) for k, v in parts.items() if k != "total") / p.tp / p.pp
     check_fits(per_rank * 2**30, mesh.device, f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
+    plan = named_init_plan(model)  # of the whole model: every rank draws the same stream
+    if p.pp > 1:
+        prune_to_stages(model, [s for s in stage_specs(pp_layers, config) if s.index % p.pp == mesh.pp_rank])
     parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile)
     if reader is not None:
         return materialize_from_hf(model, reader, mesh.device)
-    return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed))
+    return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed), plan)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -159,9 +166,10 @@ def autocast(device: torch.device, precision: str):
 @torch.no_grad()
 def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, samples: int,
              device: torch.device, precision: str = "fp32", num_workers: int = 0,
-             mesh: Mesh | None = None) -> dict[str, float]:
+             mesh: Mesh | None = None, pipeline: Pipeline | None = None) -> dict[str, float]:
     """Loss, perplexity and token accuracy over the first `samples` samples of `dataset` (a fixed set),
-    shared out over the dp ranks of `mesh` and summed over them."""
+    shared out over the dp ranks of `mesh` and summed over them. With a `pipeline` (pp > 1), each batch
+    goes through the stages in order and the last stage's sums reach every rank."""
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (0, 1)
     batch_size = min(micro_batch_size, max(1, min(samples, len(dataset)) // dp_size))
     usable = min(samples, len(dataset)) // (batch_size * dp_size) * batch_size * dp_size
@@ -174,16 +182,26 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, correct: read once, at the end
+    if pipeline is not None:
+        pipeline.set_on_logits(lambda logits, labels: torch.stack([
+            scalar(token_loss_sum(logits, labels)).double(), (labels != -100).sum().double(),
+            correct_predictions(logits, labels).double()]))
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast(device, precision), (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
+            if pipeline is not None:
+                result = pipeline.forward_only(batch)  # the last stage's sums; None on other stages
+                if result is not None:
+                    sums += result
+                continue
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            decoder_input_ids=model.shift_right(batch["labels"])).logits
             loss = scalar(token_loss_sum(logits, batch["labels"]))
         sums += torch.stack([loss.double(), (batch["labels"] != -100).sum().double(),
                              correct_predictions(logits, batch["labels"]).double()])
-    if mesh is not None and dp_size > 1:
-        dist.all_reduce(sums, group=mesh.dp_group)
+    group = mesh.group("pp", "dp") if mesh is not None else None
+    if group is not None:
+        dist.all_reduce(sums, group=group)
     model.train(was_training)
     loss, tokens, correct = sums.tolist()
     mean = loss / tokens
@@ -207,6 +225,10 @@ class Trainer:
         _, self.targets_length = compute_input_and_target_lengths(d.inputs_length, d.noise_density,
                                                                   d.mean_noise_span_length)
         check_layout(run.parallel, self.model_config, d.inputs_length, self.targets_length, world_size_from_env())
+        self.pp_layers = None
+        if run.parallel.pp > 1:
+            self.pp_layers = split_blocks(self.model_config, run.parallel, d.inputs_length, self.targets_length)
+            check_schedule(run.parallel, self.accumulation)
         if d.targets_length is not None and d.targets_length != self.targets_length:
             raise ConfigError(
                 f"data.targets_length={d.targets_length} does not follow from inputs_length={d.inputs_length}, "
@@ -251,7 +273,7 @@ class Trainer:
                 f"{self.model_config.vocab_size}; set model.overrides.vocab_size to at least "
                 f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
         start = time.perf_counter()
-        self.model = build_model(run, self.model_config, self.mesh)
+        self.model = build_model(run, self.model_config, self.mesh, self.pp_layers)
         self.build_seconds = time.perf_counter() - start
         self.model_config = self.model.config  # the checkpoint decides whether the head is tied
         self.model.train()
@@ -269,10 +291,16 @@ class Trainer:
         owned = self.grad_sync.owned() if p.zero_stage == 1 else None
         # The ranks among which gradients are split (TP shards; ZeRO 1-3 split them over dp): the squares of
         # the gradient norm add up over this group.
-        norm_dims = ("dp", "tp") if p.zero_stage >= 1 else ("tp",)
+        # Pipeline ranks hold different parameters (copies of shared ones are counted on one rank).
+        norm_dims = ("pp", "dp", "tp") if p.zero_stage >= 1 else ("pp", "tp")
         self.norm_group = self.mesh.group(*norm_dims)
-        self.norm_dims = {d: size for d, size in (("dp", self.mesh.dp_size), ("tp", self.mesh.tp_size))
-                          if d in norm_dims and size > 1}
+        self.norm_dims = {d: size for d, size in (("pp", self.mesh.pp_size), ("dp", self.mesh.dp_size),
+                                                  ("tp", self.mesh.tp_size)) if d in norm_dims and size > 1}
+        self.loss_group = self.mesh.group("pp", "dp")  # the loss lives on the last stage of every dp replica
+        self.pipeline = None
+        if p.pp > 1:
+            self.pipeline = Pipeline(self.model, self.pp_layers, p, self.mesh, self.accumulation,
+                                     run.train.micro_batch_size, d.inputs_length, self.targets_length)
         self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
         self.loss_scaler = LossScaler(run.precision, self.device)
@@ -390,6 +418,9 @@ class Trainer:
         multiplier = self.loss_scaler.scale.double() * self.mesh.dp_size / tokens
         fsdp, tensor_parallel = self.run.parallel.zero_stage >= 2, self.mesh.tp_size > 1
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.pipeline is not None:
+            total = self._pipeline_forward_backward(micro_batches, multiplier)
+            micro_batches = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
@@ -416,8 +447,10 @@ class Trainer:
         self._phase("optimizer")
         self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
-        self.last_grad_norm = clip_grad_norm(self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
-                                             owner_dims=("dp",) if zero1 else ())
+        self.last_grad_norm = clip_grad_norm(
+            self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
+            owner_dims=("pp", "dp") if zero1 else ("pp",),
+            counted_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else frozenset())
         found_inf = self.loss_scaler.update(self.last_grad_norm)
         optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
         if zero1:
@@ -428,9 +461,30 @@ class Trainer:
         for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
             p.grad = None
         self._phase("bookkeeping")
-        if data_parallel:
-            dist.all_reduce(total, group=dp_group)
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
         return (total / tokens).float()
+
+    def _pipeline_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
+                                   multiplier: torch.Tensor) -> torch.Tensor:
+        """The forward and backward passes of a step through the pipeline schedule; returns the summed token
+        loss of this rank's micro-batches on the last stage (zero on the other stages)."""
+        batch = {k: torch.cat([b[k] for b in micro_batches]).to(self.device, non_blocking=True)
+                 for k in ("input_ids", "attention_mask", "labels")}
+        sums: list[torch.Tensor] = []
+
+        def on_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss_sum = token_loss_sum(logits, labels)
+            sums.append(scalar(loss_sum.detach()).double())
+            return scalar(loss_sum * multiplier).reshape(1)
+
+        self.pipeline.set_on_logits(on_logits)
+        self.grad_sync.sync = False  # reduced once, after the schedule: every micro-batch's gradients are in
+        with autocast(self.device, self.run.precision.dtype), \
+                (loss_parallel() if self.mesh.tp_size > 1 else contextlib.nullcontext()):
+            self.pipeline.step(batch)
+        self.grad_sync.sync = True
+        return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _phase(self, name: str) -> None:
         """Tell an active communication audit which part of the step issues the next collectives."""
@@ -606,7 +660,7 @@ class EvalHook(Hook):
             return
         self.last_step = t.state.step
         result = evaluate(t.model, t.data.valid, t.run.train.micro_batch_size, t.run.train.eval_samples, t.device,
-                          t.run.precision.dtype, mesh=t.mesh)
+                          t.run.precision.dtype, mesh=t.mesh, pipeline=t.pipeline)
         self.writer.write(
             {"iteration": t.state.step, "consumed_samples": t.state.consumed_samples, "valid_loss": result["loss"],
              "valid_perplexity": result["perplexity"], "valid_accuracy": result["accuracy"]},
@@ -634,7 +688,7 @@ class CheckpointHook(Hook):
 
     def after_train(self) -> None:
         self.t.save(last_step=True)
-        self.t.checkpoints.export_hf(self.t.model, self.t.model_config, self.t.run.data.tokenizer)
+        self.t.checkpoints.export_hf(self.t.model, self.t.model_config, self.t.run.data.tokenizer, self.t.mesh)
 
 
 class PlotHook(Hook):
