@@ -74,6 +74,16 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     return model
 
 
+def shard_gradient_like_parameter(param: nn.Parameter) -> None:
+    """The embedding gradient comes back replicated under TP: keep this rank's rows, as the parameter
+    (partial sums over tp, of sequence-parallel norms, stay as they are: they are summed over tp after
+    the dp reduction, all at once: tensor_parallel.reduce_partial_gradients)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements \
+            and not any(pl.is_partial() for pl in grad.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 
@@ -179,12 +189,8 @@ class GradientBuckets:
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         bucket, layout = self.buckets[i], self.layouts[i]
-        for p in bucket:  # the embedding gradient comes back replicated under TP: keep this rank's rows
-            # (partial sums over tp, of sequence-parallel norms, are averaged over dp as they are and summed
-            # over tp afterwards, all at once: tensor_parallel.reduce_partial_gradients)
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements \
-                    and not any(pl.is_partial() for pl in p.grad.placements):
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        for p in bucket:
+            shard_gradient_like_parameter(p)
         grads = [local(p.grad) if p.grad is not None else None for p in bucket]
         device = next(local(p).device for p in bucket)
         dtype = next((g.dtype for g in grads if g is not None), torch.float32)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks
+from t5forge.parallel.data_parallel import shard_gradient_like_parameter
 from t5forge.train.metrics import block_forward_flops
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -309,6 +310,8 @@ class TiedParameters:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         for group, params in self.groups:
+            for p in params:
+                shard_gradient_like_parameter(p)
             grads = [_local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
