@@ -211,7 +211,13 @@ def load_training_checkpoint(
         dcp.load(tensors, checkpoint_id=path)
     except Exception as e:  # DCP's read errors have no common type
         raise CheckpointError(f"cannot read checkpoint {path}: {_last_line(e)}; it is incomplete or corrupt") from e
-    groups = state.pop("optimizer_param_groups")
+    # Hyper-parameters per group come from the checkpoint (rank 0's), the parameters of each group from this
+    # rank's optimizer: under pipeline parallelism or ZeRO-1 every rank updates other parameters.
+    saved_groups = state.pop("optimizer_param_groups")
+    if len(saved_groups) != len(optim_state["param_groups"]):
+        raise CheckpointError(f"{path} holds {len(saved_groups)} optimizer parameter groups, this run has "
+                              f"{len(optim_state['param_groups'])}; resume with the optimizer it was trained with")
+    groups = [{**saved, "params": current["params"]} for saved, current in zip(saved_groups, optim_state["param_groups"])]
     for group in groups:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
