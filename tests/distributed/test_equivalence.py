@@ -309,7 +309,8 @@ def test_cli_launches_processes_and_only_rank_0_reports(dataset_prefix, tokenize
     (dict(dp=2, tp=2), 2, r"dp x tp x pp = 2 x 2 x 1 = 4, but 2 process"),
     (dict(tp=3), 3, "num_heads=4 is not divisible by parallel.tp=3"),
     (dict(zero_stage=2), 1, "parallel.dp=1 has none"),
-    (dict(pp=2), 2, "set parallel.pp=1"),
+    (dict(pp=2, dp=2, zero_stage=3), 4, "not wired into the pipeline schedules"),
+    (dict(pp=2, tp=2, sequence_parallel=True), 4, "does not combine with parallel.sequence_parallel"),
     (dict(tp=2, sequence_parallel=True), 2, "data.inputs_length is 63"),
 ])
 def test_bad_layouts_are_refused_before_any_process_group(change, world, message):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from test_equivalence import free_port, relative_difference, run_layouts
 
 import t5forge
+from t5forge.parallel.comm_audit import format_report
 from t5forge.config import load_config
 from t5forge.train.metrics import read_metrics
 from t5forge.train.trainer import train
@@ -28,21 +29,23 @@ MODEL = "model.overrides.num_layers=3;model.overrides.num_decoder_layers=5"
 PP = f"{MODEL};train.micro_batch_size=2"  # 4 micro-batches of 2 per step at dp1, 2 at dp2
 TIED = "model.preset=t5-small"  # T5 v1.0: relu FFN, tied and rescaled head
 SAVED = "save_tp2_pp2/checkpoints/step_00000003"
+AUDIT = "train.comm_audit=true"  # the second step's collectives and send/recv, compared with the analytic model
 FOUR_RANKS = {  # two "nodes" of two processes
     "pp4_gpipe": f"parallel.pp=4;parallel.pp_schedule=gpipe;{PP}",
     "pp4_1f1b": f"parallel.pp=4;parallel.pp_schedule=1f1b;{PP}",
-    "pp4_interleaved_1f1b": f"parallel.pp=4;parallel.pp_schedule=interleaved_1f1b;{PP}",
-    "dp2_pp2_zero1": f"parallel.dp=2;parallel.pp=2;parallel.zero_stage=1;{PP}",
-    "tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP}",
-    "tp2_pp2_interleaved_1f1b_tied": f"parallel.tp=2;parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;{TIED};{PP}",
+    "pp4_interleaved_1f1b": f"parallel.pp=4;parallel.pp_schedule=interleaved_1f1b;{PP};{AUDIT}",
+    "dp2_pp2_zero1": f"parallel.dp=2;parallel.pp=2;parallel.zero_stage=1;{PP};{AUDIT}",
+    "tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP};{AUDIT}",
+    "tp2_pp2_interleaved_1f1b_tied": f"parallel.tp=2;parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;{TIED};{PP};"
+                                     f"{AUDIT}",
     "save_tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP};train.max_steps=6;train.save_period=3;stop_after=3",
     "resume_dp4": f"parallel.dp=4;{MODEL};train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{SAVED}",
 }
 TWO_RANKS = {
     "pp2_gpipe": f"parallel.pp=2;parallel.pp_schedule=gpipe;{PP}",
-    "pp2_1f1b": f"parallel.pp=2;{PP}",
+    "pp2_1f1b": f"parallel.pp=2;{PP};{AUDIT}",
     "pp2_interleaved_1f1b": f"parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;{PP}",
-    "pp2_1f1b_ac_full": f"parallel.pp=2;parallel.activation_checkpointing=full;{PP}",
+    "pp2_1f1b_ac_full": f"parallel.pp=2;parallel.activation_checkpointing=full;{PP};{AUDIT}",
     "pp2_gpipe_ac_selective": f"parallel.pp=2;parallel.pp_schedule=gpipe;parallel.activation_checkpointing=selective;{PP}",
     "pp2_1f1b_tied": f"parallel.pp=2;{TIED};{PP}",
     "pp2_explicit_split": f"parallel.pp=2;parallel.pp_layers=[2,6];{PP}",
@@ -137,3 +140,32 @@ def test_hf_export_gathers_every_stage(results):
     state = exported.state_dict()
     assert set(state) == set(weights)
     assert_weights_match({k: v for k, v in state.items()}, weights, "export_pp2_tied")
+
+
+AUDITED = [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if AUDIT in spec]
+
+
+@pytest.mark.parametrize("layout", AUDITED)
+def test_pipeline_sends_exactly_the_analytic_minimum(layout, results):
+    """Every rank's send/recv, tensor- and data-parallel collectives and tied-gradient sums equal
+    comm_model's requirement for its own stages."""
+    out, _ = results
+    report = json.loads((out / layout / "comm_audit.json").read_text())
+    assert report["ok"], format_report(report)
+    assert report["differences"] == [] and report["totals"]["ratio"] == 1.0
+    rows = {(r["collective"], r["dim"]): r for r in report["rows"]}
+    for kind in ("send", "recv"):  # rank 0 holds the first stage: it sends activations, receives gradients
+        assert rows[(kind, "pp")]["count"] > 0 and rows[(kind, "pp")]["bytes"] > 0
+    assert "pipeline" in {p["phase"] for p in report["phases"]}
+
+
+def test_first_boundary_carries_the_encoder_output_both_ways(results):
+    """pp2 splits 3 + 5 blocks as [3 encoder | 5 decoder + head] (FLOP balance, checked in
+    tests/parallel/test_pipeline_split.py): per micro-batch, rank 0 sends the encoder output [b, S, d]
+    and receives its gradient, nothing else."""
+    out, _ = results
+    report = json.loads((out / "pp2_1f1b" / "comm_audit.json").read_text())
+    rows = {(r["collective"], r["dim"]): r for r in report["rows"]}
+    micro_batches, b, S, d = 4, 2, 64, 32
+    for kind in ("send", "recv"):
+        assert (rows[(kind, "pp")]["count"], rows[(kind, "pp")]["bytes"]) == (micro_batches, micro_batches * b * S * d * 4)

@@ -90,7 +90,7 @@ def test_compiled_blocks_cannot_be_audited(config, capsys):
 
 
 @pytest.mark.parametrize("layout, message", [
-    (Layout(pp=2), "pipeline parallelism"),
+    (Layout(pp=2), "needs the pipeline split"),
     (Layout(dp=2, tp=2, zero_stage=3, sequence_parallel=True), "sequence parallelism with FSDP"),
 ])
 def test_layouts_outside_the_model_are_refused(layout, message):

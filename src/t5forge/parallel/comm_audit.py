@@ -47,7 +47,8 @@ FUNCTIONAL_OPS = {
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
 }
-PHASES = ("bookkeeping", "forward", "forward encoder", "forward decoder", "loss", "backward", "optimizer")
+# "pipeline": the forward and backward passes of a pipelined step, interleaved by its schedule.
+PHASES = ("bookkeeping", "forward", "forward encoder", "forward decoder", "loss", "backward", "pipeline", "optimizer")
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -133,6 +134,9 @@ def mesh_dims(mesh) -> dict[frozenset[int], str]:
         add(mesh.mesh.get_group(dim), dim)
     for names, group in mesh._groups.items():
         add(group, "_".join(names))
+    for dim, groups in mesh.subgroups.items():  # groups over some ranks of a dimension
+        for group in groups:
+            add(group, dim)
     add(dist.group.WORLD, "world")
     return dims
 
@@ -249,8 +253,8 @@ class CollectiveRecorder(TorchDispatchMode):
     def _install_phase_hooks(self) -> None:
         """forward (FSDP's root gather) -> forward encoder (its embedding included) -> forward decoder (its
         embedding included) -> loss (LM head and cross-entropy). The trainer marks the other phases."""
-        if self.model is None:
-            return
+        if self.model is None or not all(hasattr(self.model, m) for m in ("shared", "encoder", "decoder")):
+            return  # (a pipeline stage's part: the trainer marks its whole schedule as one phase)
         model, encoder_done = self.model, [False]
 
         def embedding(*_):

@@ -34,9 +34,19 @@ Data parallel, over dp, once per step (gradient accumulation communicates only o
   reduce-scatter of each unit's gradients. FSDP2 pads dim 0 of every parameter to a multiple of dp; the
   padding is part of the bytes.
 
-Bookkeeping, once per step: the target-token count and the loss sum over dp (fp64 scalars); the squared
-gradient norm over the ranks among which gradients are split (an fp32 scalar, over tp and, with ZeRO 1-3,
-dp). No collective runs over a mesh dimension of size 1."""
+Pipeline parallel, over pp, per micro-batch and stage boundary (parallel/pipeline.py): one send of each
+activation the next stage receives (the encoder hidden states; into and inside the decoder the encoder
+output and the decoder hidden states, fp32) and one send of each of their gradients back; the receiving
+rank counts the same as recv. Under tensor parallelism every tp rank sends its (replicated) copy to its
+peer. A rank's tensor-parallel and data-parallel traffic is that of its own stages' blocks and
+parameters; every decoder stage all-reduces its encoder-output gradient over tp once per micro-batch.
+The gradients of parameters copied on several pipeline ranks (embedding, relative position bias tables)
+are summed in one all-reduce per set of ranks, over pp.
+
+Bookkeeping, once per step: the target-token count over dp and the loss sum over pp and dp (fp64 scalars:
+the loss is on the last stage); the squared gradient norm over the ranks among which gradients are split
+(an fp32 scalar, over pp and tp and, with ZeRO 1-3, dp). No collective runs over a mesh dimension of
+size 1."""
 
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ import torch
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, assign_owners, partition_buckets
+from t5forge.parallel.pipeline import StageSpec, boundary_shapes, prune_to_stages, stage_specs
 
 FP32, FP64 = 4, 8
 COLUMN_SPLIT = ("q", "k", "v", "wi", "wi_0", "wi_1")  # Linear weights [out, in]: out (dim 0) split over tp
@@ -66,6 +77,7 @@ class Layout:
     precision: str = "fp32"
     activation_checkpointing: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    pp_layers: tuple[int, ...] = ()  # blocks per pipeline stage (pipeline.split_blocks) when pp > 1
 
 
 @dataclass(frozen=True)
@@ -87,8 +99,8 @@ class Requirement:
 
 def check_covered(layout: Layout) -> None:
     """Raise ConfigError for layouts this model does not describe (the audit then prints no table)."""
-    if layout.pp != 1:
-        raise ConfigError("the communication model does not cover pipeline parallelism (parallel.pp > 1) yet")
+    if layout.pp > 1 and len(layout.pp_layers) < layout.pp:
+        raise ConfigError("the communication model needs the pipeline split (Layout.pp_layers) when pp > 1")
     if layout.sequence_parallel and layout.zero_stage >= 2:
         raise ConfigError("the communication model does not cover sequence parallelism with FSDP (parallel."
                           "zero_stage 2/3), whose norm-weight gradients FSDP2 reduces itself; audit with "
@@ -107,11 +119,21 @@ def _local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return shape  # norms: replicated
 
 
-def _parameters(config: T5Config) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every distinct parameter, in registration order (a tied head is listed once)."""
+def _parameters(config: T5Config, stages: list[StageSpec] | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every distinct parameter, in registration order (a tied head is listed once), of the
+    whole model or of the part that holds pipeline `stages`."""
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
+        if stages is not None:
+            prune_to_stages(model, stages)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def _local_stages(config: T5Config, layout: Layout, pp_rank: int) -> tuple[list[StageSpec], list[StageSpec]]:
+    """(every stage, the stages of pipeline rank `pp_rank`); one stage of all blocks without a pipeline."""
+    blocks = config.num_layers + config.num_decoder_layers
+    specs = stage_specs(list(layout.pp_layers) if layout.pp > 1 else [blocks], config)
+    return specs, [s for s in specs if s.index % layout.pp == pp_rank]
 
 
 def _fsdp_units(params: list[tuple[str, tuple[int, ...]]], num_layers: int,
@@ -130,10 +152,11 @@ def _padded(shape: tuple[int, ...], dp: int) -> int:
     return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
 
-def _owned_parameters(config: T5Config, layout: Layout, dp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+def _owned_parameters(config: T5Config, layout: Layout, dp_rank: int,
+                      stages: list[StageSpec] | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """The parameters whose gradients rank `dp_rank` keeps after the gradient reduction: all of them, except
     under ZeRO-1, where each bucket's parameters have one owner (data_parallel.assign_owners)."""
-    params = [(n, _local_shape(n, s, layout.tp)) for n, s in _parameters(config)]
+    params = [(n, _local_shape(n, s, layout.tp)) for n, s in _parameters(config, stages)]
     if layout.zero_stage != 1 or layout.dp == 1:
         return params
     sizes = [math.prod(s) for _, s in params]
@@ -144,13 +167,21 @@ def _owned_parameters(config: T5Config, layout: Layout, dp_rank: int) -> list[tu
     return owned
 
 
-def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank: int = 0) -> list[Requirement]:
-    """Every collective a step of `layout` requires from a rank at data-parallel coordinate `dp_rank` (only
-    ZeRO-1 makes ranks differ), one Requirement per (collective, mesh dim, purpose)."""
+def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank: int = 0,
+                      pp_rank: int = 0) -> list[Requirement]:
+    """Every collective a step of `layout` requires from a rank at data-parallel coordinate `dp_rank` and
+    pipeline coordinate `pp_rank` (ZeRO-1 and the pipeline stages make ranks differ), one Requirement per
+    (collective, mesh dim, purpose)."""
     check_covered(layout)
-    dp, tp, M = layout.dp, layout.tp, shapes.accumulation
+    dp, tp, pp, M = layout.dp, layout.tp, layout.pp, shapes.accumulation
     b, S, T, d = shapes.micro_batch_size, shapes.inputs_length, shapes.targets_length, config.d_model
-    L_e, L_d = config.num_layers, config.num_decoder_layers
+    specs, local = _local_stages(config, layout, pp_rank)
+    stages = local if pp > 1 else None
+    # This rank's blocks, and which ends of the model it holds.
+    L_e, L_d = sum(len(s.encoder) for s in local), sum(len(s.decoder) for s in local)
+    embeds_encoder = any(s.start == 0 for s in local)
+    embeds_decoder = any(s.decoder and s.decoder.start == 0 for s in local)
+    head, decoder_stages = any(s.is_last for s in local), sum(1 for s in local if s.decoder)
     out: list[Requirement] = []
 
     def need(kind, dim, count, elements, element_size, what):
@@ -163,14 +194,14 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
         # outputs; embeddings, norms and every input gradient stay fp32.
         half = 2 if layout.precision in ("bf16", "fp16") else FP32
         if not layout.sequence_parallel:
-            need("all_reduce", "tp", M, enc, FP32, "embedding output (encoder)")
-            need("all_reduce", "tp", M, dec, FP32, "embedding output (decoder)")
+            need("all_reduce", "tp", M * embeds_encoder, enc, FP32, "embedding output (encoder)")
+            need("all_reduce", "tp", M * embeds_decoder, dec, FP32, "embedding output (decoder)")
             need("all_reduce", "tp", M * 2 * L_e, enc, half, "encoder sub-layer outputs")
             need("all_reduce", "tp", M * 3 * L_d, dec, half, "decoder sub-layer outputs")
             need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer input gradients")
             need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer input gradients")
-            need("all_reduce", "tp", M, enc, FP32, "encoder output gradient (all cross-attentions)")
-            need("all_reduce", "tp", M, dec, FP32, "LM head input gradient")
+            need("all_reduce", "tp", M * decoder_stages, enc, FP32, "encoder output gradient (all cross-attentions)")
+            need("all_reduce", "tp", M * head, dec, FP32, "LM head input gradient")
         else:
             for kind, mirror, phase in (("reduce_scatter", "all_gather", "forward"),
                                         ("all_gather", "reduce_scatter", "backward")):
@@ -182,9 +213,9 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 need(mirror, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer inputs, {phase}")
                 need(mirror, "tp", M, enc, FP32, f"encoder output, {phase}")
                 need(mirror, "tp", M, dec, FP32, f"LM head input, {phase}")
-            norms = [n for n, _ in _owned_parameters(config, layout, dp_rank) if "layer_norm" in n]
+            norms = [n for n, _ in _owned_parameters(config, layout, dp_rank, stages) if "layer_norm" in n]
             need("all_reduce", "tp", 1, len(norms) * d, FP32, "norm-weight gradients (partial sums)")
-        need("all_reduce", "tp", M * 3, b * T, FP32, "vocabulary-parallel cross-entropy")
+        need("all_reduce", "tp", M * 3 * head, b * T, FP32, "vocabulary-parallel cross-entropy")
         if layout.activation_checkpointing == "full":  # each block's forward again, in the backward pass
             # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's
             # early stop), so the output collective of a block's last sub-layer is not issued again.
@@ -195,8 +226,21 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 need("all_gather", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer inputs, recomputed")
                 need("all_gather", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer inputs, recomputed")
 
+    if pp > 1:
+        for spec in local:
+            neighbours = [(spec, "activations received, their gradients sent back")] if spec.index > 0 else []
+            if not spec.is_last:
+                neighbours.append((specs[spec.index + 1], "activations sent, their gradients received"))
+            for boundary, what in neighbours:
+                incoming = boundary is spec
+                for shape in boundary_shapes(boundary, b, S, T, d):
+                    need("recv" if incoming else "send", "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
+                    need("send" if incoming else "recv", "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
+        for elements in _tied_elements(config, layout, specs, pp_rank):
+            need("all_reduce", "pp", 1, elements, FP32, "gradients of parameters copied on pipeline ranks")
+
     if dp > 1:
-        params = [(n, _local_shape(n, s, tp)) for n, s in _parameters(config)]
+        params = [(n, _local_shape(n, s, tp)) for n, s in _parameters(config, stages)]
         zero = layout.zero_stage
         if zero < 2:
             sizes = [math.prod(s) for _, s in params]
@@ -214,18 +258,34 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
         else:
             param_size = 2 if layout.precision == "bf16" else FP32  # FSDP's param_dtype
             gathers = 1 if zero == 2 else M
-            for unit, members in _fsdp_units(params, L_e, L_d).items():
+            for unit, members in _fsdp_units(params, config.num_layers, config.num_decoder_layers).items():
                 elements = sum(_padded(s, dp) for _, s in members)
                 need("all_gather", "dp", gathers, elements, param_size, f"FSDP unit {unit.rstrip('.')}, forward")
                 if zero == 3 and unit != "root":
                     need("all_gather", "dp", M, elements, param_size, f"FSDP unit {unit.rstrip('.')}, backward")
                 need("reduce_scatter", "dp", 1, elements, FP32, f"FSDP unit {unit.rstrip('.')} gradients")
-        need("all_reduce", "dp", 2, 1, FP64, "target tokens and loss of the global batch")
+        need("all_reduce", "dp", 1, 1, FP64, "target tokens of the global batch")
+    loss_dims = [dim for dim, size in (("pp", pp), ("dp", dp)) if size > 1]
+    if loss_dims:
+        need("all_reduce", "_".join(loss_dims), 1, 1, FP64, "loss of the global batch (on the last stage)")
 
-    norm_dims = [dim for dim, size in (("dp", dp if layout.zero_stage >= 1 else 1), ("tp", tp)) if size > 1]
+    norm_dims = [dim for dim, size in (("pp", pp), ("dp", dp if layout.zero_stage >= 1 else 1), ("tp", tp))
+                 if size > 1]
     if norm_dims:
         need("all_reduce", "_".join(norm_dims), 1, 1, FP32, "squared gradient norm")
     return out
+
+
+def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec], pp_rank: int) -> list[int]:
+    """Elements of this rank's parameters that other pipeline ranks also hold, per set of holders (their
+    gradients are summed over pp in one all-reduce per set: pipeline.TiedParameters)."""
+    held = [dict(_parameters(config, [s for s in specs if s.index % layout.pp == r])) for r in range(layout.pp)]
+    per_set: dict[frozenset[int], int] = defaultdict(int)
+    for name, shape in held[pp_rank].items():
+        holders = frozenset(r for r in range(layout.pp) if name in held[r])
+        if len(holders) > 1:
+            per_set[holders] += math.prod(_local_shape(name, shape, layout.tp))
+    return [per_set[k] for k in sorted(per_set, key=sorted)]
 
 
 def totals(requirements: list[Requirement]) -> dict[tuple[str, str], dict]:

@@ -78,6 +78,8 @@ class Mesh:
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
         self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        # Groups over some of the ranks of one dimension, by dimension (the pipeline ranks that share a parameter).
+        self.subgroups: dict[str, list[dist.ProcessGroup]] = {}
 
     def group(self, *dims: str) -> dist.ProcessGroup | None:
         """The process group spanning these mesh dimensions (a flattened one for two), None when they hold one

@@ -304,6 +304,7 @@ class TiedParameters:
                         group = created
             if pp_rank in rank_set:
                 self.groups.append((group, [params[n] for n in names]))
+                mesh.subgroups.setdefault("pp", []).append(group)
                 if pp_rank != rank_set[0]:
                     self.counted_elsewhere |= {id(params[n]) for n in names}
 

@@ -324,13 +324,14 @@ class Trainer:
                               "inside the compiled graph: set train.compile=false for the audit")
         return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                       backend="nccl" if torch.cuda.is_available() else "gloo", precision=self.run.precision.dtype,
-                      activation_checkpointing=p.activation_checkpointing)
+                      activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(self.pp_layers or ()))
 
     def comm_requirements(self) -> dict:
         """{(collective, mesh dim): {count, bytes}} that one step of this layout requires of this rank (comm_model)."""
         shapes = Shapes(micro_batch_size=self.run.train.micro_batch_size, accumulation=self.accumulation,
                         inputs_length=self.run.data.inputs_length, targets_length=self.targets_length)
-        return comm_totals(step_requirements(self.model_config, shapes, self.comm_layout(), self.mesh.dp_rank))
+        return comm_totals(step_requirements(self.model_config, shapes, self.comm_layout(), self.mesh.dp_rank,
+                                             self.mesh.pp_rank))
 
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded; returns its loss and the audit report (every rank
@@ -479,6 +480,7 @@ class Trainer:
             return scalar(loss_sum * multiplier).reshape(1)
 
         self.pipeline.set_on_logits(on_logits)
+        self._phase("pipeline")
         self.grad_sync.sync = False  # reduced once, after the schedule: every micro-batch's gradients are in
         with autocast(self.device, self.run.precision.dtype), \
                 (loss_parallel() if self.mesh.tp_size > 1 else contextlib.nullcontext()):
