@@ -143,6 +143,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from t5forge.bench.data import run_data_benchmark as run
     elif args.suite == "comm":
         from t5forge.bench.comm import run_comm_benchmark as run
+    elif args.suite == "pipeline":
+        from t5forge.bench.pipeline import run_pipeline_benchmark as run
     else:
         from t5forge.bench.distributed import run_distributed_benchmark as run
     run(args.output_dir, args.work_dir)
@@ -331,11 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
-    bench.add_argument("suite", choices=["data", "distributed", "comm"],
+    bench.add_argument("suite", choices=["data", "distributed", "comm", "pipeline"],
                        help="data: preprocessing, loader, loader vs training step; "
                             "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
                             "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "
-                            "comm: communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes")
+                            "comm: communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes; "
+                            "pipeline: step time and idle share per stage of pp2/pp4 for each schedule and several "
+                            "micro-batch counts, against the theoretical bubble")
     bench.add_argument("--output-dir", default="benchmarks")
     bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
     bench.set_defaults(func=cmd_bench)
