@@ -7,6 +7,7 @@ from t5forge.bench.pipeline import run_pipeline_benchmark, theoretical_bubble
 
 TINY = ["model.preset=t5-small", "model.dropout_rate=0", "model.overrides.d_model=32", "model.overrides.d_ff=64",
         "model.overrides.d_kv=8", "model.overrides.num_heads=4", "model.overrides.num_layers=2",
+        "model.overrides.num_decoder_layers=2",
         "model.overrides.vocab_size=2176", "data.inputs_length=32", "train.micro_batch_size=2"]
 
 

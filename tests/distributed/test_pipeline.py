@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from layouts import base_overrides
 from safetensors.torch import load_file
 from test_equivalence import free_port, relative_difference, run_layouts
 
 import t5forge
-from t5forge.parallel.comm_audit import format_report
 from t5forge.config import load_config
+from t5forge.parallel.comm_audit import format_report
 from t5forge.train.metrics import read_metrics
 from t5forge.train.trainer import train
-
-from layouts import base_overrides
 
 # 3 encoder + 5 decoder blocks: enough for 8 stages (pp4 interleaved), and encoder != decoder depth.
 MODEL = "model.overrides.num_layers=3;model.overrides.num_decoder_layers=5"
@@ -46,7 +44,8 @@ TWO_RANKS = {
     "pp2_1f1b": f"parallel.pp=2;{PP};{AUDIT}",
     "pp2_interleaved_1f1b": f"parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;{PP}",
     "pp2_1f1b_ac_full": f"parallel.pp=2;parallel.activation_checkpointing=full;{PP};{AUDIT}",
-    "pp2_gpipe_ac_selective": f"parallel.pp=2;parallel.pp_schedule=gpipe;parallel.activation_checkpointing=selective;{PP}",
+    "pp2_interleaved_1f1b_ac_selective": f"parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;"
+                                         f"parallel.activation_checkpointing=selective;{PP}",
     "pp2_1f1b_tied": f"parallel.pp=2;{TIED};{PP}",
     "pp2_explicit_split": f"parallel.pp=2;parallel.pp_layers=[2,6];{PP}",
     "resume_pp2": f"parallel.pp=2;{PP};train.max_steps=6;train.resume=OUT/{SAVED}",
@@ -168,4 +167,5 @@ def test_first_boundary_carries_the_encoder_output_both_ways(results):
     rows = {(r["collective"], r["dim"]): r for r in report["rows"]}
     micro_batches, b, S, d = 4, 2, 64, 32
     for kind in ("send", "recv"):
-        assert (rows[(kind, "pp")]["count"], rows[(kind, "pp")]["bytes"]) == (micro_batches, micro_batches * b * S * d * 4)
+        row = rows[(kind, "pp")]
+        assert (row["count"], row["bytes"]) == (micro_batches, micro_batches * b * S * d * 4)

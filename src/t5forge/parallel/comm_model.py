@@ -233,9 +233,10 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 neighbours.append((specs[spec.index + 1], "activations sent, their gradients received"))
             for boundary, what in neighbours:
                 incoming = boundary is spec
+                forward, backward = ("recv", "send") if incoming else ("send", "recv")
                 for shape in boundary_shapes(boundary, b, S, T, d):
-                    need("recv" if incoming else "send", "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
-                    need("send" if incoming else "recv", "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
+                    need(forward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
+                    need(backward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
         for elements in _tied_elements(config, layout, specs, pp_rank):
             need("all_reduce", "pp", 1, elements, FP32, "gradients of parameters copied on pipeline ranks")
 

@@ -86,7 +86,8 @@ def balance(costs: list[int], stages: int, last_extra: int = 0) -> list[int]:
 def split_blocks(config: T5Config, parallel: ParallelConfig, inputs_length: int, targets_length: int) -> list[int]:
     """Blocks per stage (encoder blocks first), checked: `parallel.pp_layers` or the FLOP-balanced split."""
     stages, blocks = num_stages(parallel), config.num_layers + config.num_decoder_layers
-    per_rank = f" ({parallel.pp_stages_per_rank} stages per rank with interleaved_1f1b)" if stages != parallel.pp else ""
+    per_rank = "" if stages == parallel.pp else \
+        f" ({parallel.pp_stages_per_rank} stages per rank with interleaved_1f1b)"
     if parallel.pp_layers is not None:
         layers = list(parallel.pp_layers)
         if len(layers) != stages or any(n < 1 for n in layers) or sum(layers) != blocks:
@@ -102,6 +103,20 @@ def split_blocks(config: T5Config, parallel: ParallelConfig, inputs_length: int,
             + (" or parallel.pp_stages_per_rank" if stages != parallel.pp else ""))
     costs, head = block_costs(config, inputs_length, targets_length)
     return balance(costs, stages, head)
+
+
+def describe_split(config: T5Config, layers: list[int], inputs_length: int, targets_length: int) -> str:
+    """One line per stage: its blocks and its share of the forward FLOPs (the head counted on the last)."""
+    costs, head = block_costs(config, inputs_length, targets_length)
+    total, lines = sum(costs) + head, []
+    for spec in stage_specs(layers, config):
+        flops = sum(costs[spec.start:spec.stop]) + (head if spec.is_last else 0)
+        parts = [f"encoder {spec.encoder.start}-{spec.encoder.stop - 1}" if spec.encoder else "",
+                 f"decoder {spec.decoder.start}-{spec.decoder.stop - 1}" if spec.decoder else "",
+                 "head" if spec.is_last else ""]
+        lines.append(f"stage {spec.index}: {spec.stop - spec.start} blocks ({', '.join(p for p in parts if p)}), "
+                     f"{100 * flops / total:.1f}% of the forward FLOPs")
+    return "\n".join(lines)
 
 
 def check_schedule(parallel: ParallelConfig, microbatches: int) -> None:
@@ -289,7 +304,9 @@ class TiedParameters:
         for rank, names in enumerate(names_per_rank):
             for name in names:
                 holders[name] = holders.get(name, ()) + (rank,)
-        params = dict(part.named_parameters())
+        from t5forge.parallel.parallelize import unwrap_name
+
+        params = {unwrap_name(n): p for n, p in part.named_parameters()}  # names as HF's, without AC wrappers
         self.groups: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         self.counted_elsewhere: set[int] = set()
         ranks = mesh.mesh.mesh  # [pp, dp, tp] global ranks
@@ -347,7 +364,8 @@ class Pipeline:
         self.shape = (source, target, config.d_model)
         tp_mesh = mesh.mesh["tp"] if mesh.tp_size > 1 else None
         self.modules = [StageModule(part, spec, tp_mesh) for spec in self.local_specs]
-        names = [part_parameter_names(config, [s for s in self.specs if s.index % self.pp == r]) for r in range(self.pp)]
+        names = [part_parameter_names(config, [s for s in self.specs if s.index % self.pp == r])
+                 for r in range(self.pp)]
         self.tied = TiedParameters(part, names, mesh)
         self.stages = []
         for module, spec in zip(self.modules, self.local_specs):

@@ -217,7 +217,8 @@ def load_training_checkpoint(
     if len(saved_groups) != len(optim_state["param_groups"]):
         raise CheckpointError(f"{path} holds {len(saved_groups)} optimizer parameter groups, this run has "
                               f"{len(optim_state['param_groups'])}; resume with the optimizer it was trained with")
-    groups = [{**saved, "params": current["params"]} for saved, current in zip(saved_groups, optim_state["param_groups"])]
+    groups = [{**saved, "params": current["params"]}
+              for saved, current in zip(saved_groups, optim_state["param_groups"])]
     for group in groups:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])

@@ -52,7 +52,14 @@ from t5forge.parallel.parallelize import (
     named_init_plan,
     parallelize_t5,
 )
-from t5forge.parallel.pipeline import Pipeline, check_schedule, prune_to_stages, split_blocks, stage_specs
+from t5forge.parallel.pipeline import (
+    Pipeline,
+    check_schedule,
+    describe_split,
+    prune_to_stages,
+    split_blocks,
+    stage_specs,
+)
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.metrics import (
@@ -393,6 +400,11 @@ class Trainer:
                   f"{self.run.parallel.dp} x accumulation {self.accumulation}; {self.run.data.inputs_length} -> "
                   f"{self.targets_length} tokens; {self.max_steps} steps; {len(self.data.train)} training samples "
                   f"per epoch; device {self.device}, {self.run.precision.dtype}")
+        if self.pipeline is not None:
+            p = self.run.parallel
+            self.echo(f"pipeline: pp={p.pp}, {p.pp_schedule}, {len(self.pp_layers)} stages, blocks per stage "
+                      f"{self.pp_layers}\n" + describe_split(self.model_config, self.pp_layers,
+                                                              self.run.data.inputs_length, self.targets_length))
 
     def is_log_step(self, step: int) -> bool:
         """Every log_period steps, and the first and last step (the first shows the starting loss)."""
