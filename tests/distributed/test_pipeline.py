@@ -33,7 +33,7 @@ FOUR_RANKS = {  # two "nodes" of two processes
     "pp4_1f1b": f"parallel.pp=4;parallel.pp_schedule=1f1b;{PP}",
     "pp4_interleaved_1f1b": f"parallel.pp=4;parallel.pp_schedule=interleaved_1f1b;{PP};{AUDIT}",
     "dp2_pp2_zero1": f"parallel.dp=2;parallel.pp=2;parallel.zero_stage=1;{PP};{AUDIT}",
-    "tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP};{AUDIT}",
+    "tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP};{AUDIT};train.export_hf=true",
     "tp2_pp2_interleaved_1f1b_tied": f"parallel.tp=2;parallel.pp=2;parallel.pp_schedule=interleaved_1f1b;{TIED};{PP};"
                                      f"{AUDIT}",
     "save_tp2_pp2": f"parallel.tp=2;parallel.pp=2;{PP};train.max_steps=6;train.save_period=3;stop_after=3",
@@ -131,14 +131,16 @@ def test_checkpoint_of_tp2_pp2_resumes_in_other_layouts(layout, results):
     assert relative_difference(resumed, straight[3:]) < 1e-5
 
 
-def test_hf_export_gathers_every_stage(results):
+@pytest.mark.parametrize("layout", ["export_pp2_tied", "tp2_pp2"])
+def test_hf_export_gathers_every_stage(layout, results):
     out, reference = results
-    _, weights = reference["tied"]
-    exported = t5forge.from_pretrained(out / "export_pp2_tied" / "hf")
-    assert exported.config.tie_word_embeddings and exported.config.num_decoder_layers == 5
+    tied = "tied" in layout
+    _, weights = reference["tied" if tied else "untied"]
+    exported = t5forge.from_pretrained(out / layout / "hf")
+    assert exported.config.tie_word_embeddings == tied and exported.config.num_decoder_layers == 5
     state = exported.state_dict()
     assert set(state) == set(weights)
-    assert_weights_match({k: v for k, v in state.items()}, weights, "export_pp2_tied")
+    assert_weights_match(state, weights, layout)
 
 
 AUDITED = [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if AUDIT in spec]

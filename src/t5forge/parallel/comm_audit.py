@@ -253,8 +253,8 @@ class CollectiveRecorder(TorchDispatchMode):
     def _install_phase_hooks(self) -> None:
         """forward (FSDP's root gather) -> forward encoder (its embedding included) -> forward decoder (its
         embedding included) -> loss (LM head and cross-entropy). The trainer marks the other phases."""
-        if self.model is None or not all(hasattr(self.model, m) for m in ("shared", "encoder", "decoder")):
-            return  # (a pipeline stage's part: the trainer marks its whole schedule as one phase)
+        if self.model is None:
+            return
         model, encoder_done = self.model, [False]
 
         def embedding(*_):

@@ -343,7 +343,8 @@ class Trainer:
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded; returns its loss and the audit report (every rank
         takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
-        recorder = CollectiveRecorder(mesh_dims(self.mesh), self.device, self.model)
+        # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
+        recorder = CollectiveRecorder(mesh_dims(self.mesh), self.device, self.model if self.pipeline is None else None)
         self.comm_recorder = recorder
         try:
             with recorder:
