@@ -20,6 +20,7 @@ from t5forge.parallel.pipeline import (
     balance,
     block_costs,
     check_schedule,
+    describe_split,
     part_parameter_names,
     split_blocks,
     stage_specs,
@@ -155,3 +156,13 @@ def test_cli_refuses_a_bad_pipeline_with_exit_2(overrides, message, tmp_path, ca
     assert code == 2, err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_split_is_described_stage_by_stage():
+    text = describe_split(SMALL, [2, 2, 4], 64, 14)
+    lines = text.splitlines()
+    assert lines[0].startswith("stage 0: 2 blocks (encoder 0-1)")
+    assert lines[1].startswith("stage 1: 2 blocks (encoder 2, decoder 0)")
+    assert lines[2].startswith("stage 2: 4 blocks (decoder 1-4, head)")
+    shares = [float(line.split(", ")[-1].split("%")[0]) for line in lines]
+    assert abs(sum(shares) - 100) < 0.2

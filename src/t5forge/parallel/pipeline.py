@@ -111,12 +111,16 @@ def describe_split(config: T5Config, layers: list[int], inputs_length: int, targ
     total, lines = sum(costs) + head, []
     for spec in stage_specs(layers, config):
         flops = sum(costs[spec.start:spec.stop]) + (head if spec.is_last else 0)
-        parts = [f"encoder {spec.encoder.start}-{spec.encoder.stop - 1}" if spec.encoder else "",
-                 f"decoder {spec.decoder.start}-{spec.decoder.stop - 1}" if spec.decoder else "",
-                 "head" if spec.is_last else ""]
-        lines.append(f"stage {spec.index}: {spec.stop - spec.start} blocks ({', '.join(p for p in parts if p)}), "
+        parts = [f"{name} {_span(blocks)}" for name, blocks in (("encoder", spec.encoder), ("decoder", spec.decoder))
+                 if blocks] + (["head"] if spec.is_last else [])
+        count = spec.stop - spec.start
+        lines.append(f"stage {spec.index}: {count} block{'s' if count > 1 else ''} ({', '.join(parts)}), "
                      f"{100 * flops / total:.1f}% of the forward FLOPs")
     return "\n".join(lines)
+
+
+def _span(blocks: range) -> str:
+    return str(blocks.start) if len(blocks) == 1 else f"{blocks.start}-{blocks.stop - 1}"
 
 
 def check_schedule(parallel: ParallelConfig, microbatches: int) -> None:
