@@ -138,7 +138,24 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_SUITES = ("data", "distributed", "comm", "pipeline")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if not (len(args.names) == 1 and args.names[0] in BENCH_SUITES):
+        from t5forge.bench.training import run_named_benchmarks
+
+        if any(name in BENCH_SUITES for name in args.names):
+            from t5forge.errors import ConfigError
+
+            raise ConfigError(f"run one suite ({', '.join(BENCH_SUITES)}) at a time, or benchmark names only")
+        command = "t5forge bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else args.names)
+        run_named_benchmarks(args.names, args.output_dir, args.work_dir, steps=args.steps, baseline=args.baseline,
+                             command=command)
+        print((Path(args.output_dir) / "named.md").read_text())
+        print(f"wrote {args.output_dir}/named.json, named.md and named.png")
+        return 0
+    args.suite = args.names[0]
     if args.suite == "data":
         from t5forge.bench.data import run_data_benchmark as run
     elif args.suite == "comm":
@@ -333,14 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
-    bench.add_argument("suite", choices=["data", "distributed", "comm", "pipeline"],
-                       help="data: preprocessing, loader, loader vs training step; "
+    bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",
+                       help="benchmark names such as t5v11_nl4_nah4_hs256_ffn1024_FP32_mb4_gb4_seq512_1n1g (grammar: "
+                            "src/t5forge/bench/names.py; training throughput, optionally against transformers), or "
+                            "one suite: data: preprocessing, loader, loader vs training step; "
                             "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
                             "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "
                             "comm: communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes; "
                             "pipeline: step time and idle share per stage of pp2/pp4 for each schedule and several "
                             "micro-batch counts, against the theoretical bubble")
-    bench.add_argument("--output-dir", default="benchmarks")
+    bench.add_argument("--output-dir", "--output", default="benchmarks")
+    bench.add_argument("--baseline", choices=["hf"], default=None,
+                       help="named benchmarks: also step transformers' T5 on the same weights and batches")
+    bench.add_argument("--steps", type=int, default=5, help="named benchmarks: timed steps after 2 warm-up steps")
     bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -1,0 +1,302 @@
+"""`t5forge bench NAME... [--baseline hf] [--steps N] [--output DIR]`: training throughput of named runs
+(names: bench/names.py), optionally next to transformers' own T5 in the same invocation.
+
+One process per name here (nodes x devices = 1): t5forge's `Trainer.train_step` on synthetic batches of
+the name's shape (random token ids, S input and T target tokens, every position real), and with
+`--baseline hf` transformers' `T5ForConditionalGeneration` (MT5 / UMT5 for those families) loaded from
+the same weights, stepped with the same optimizer (t5forge's AdamW groups, fused), the same clipping and
+precision, on the same batches. Steps alternate (t5forge, transformers, t5forge, ...) so that both see
+the same machine state; after warm-up steps, each side's mean step time gives samples/s, tokens/s,
+TFLOP/s and MFU (one FLOP formula: train/metrics.py), and the ratio.
+
+Peak memory: on a GPU, the allocator's peak of each side's steps (reset before each). A CPU has no
+allocator statistics: each side then runs alone in a child process, and its peak is the process's
+peak resident memory above what it held before building the model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from t5forge.bench.names import BenchName, parse_bench_name, run_overrides
+from t5forge.errors import ConfigError
+
+WARMUP = 2
+
+
+def check_baseline_available() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("--baseline hf needs transformers: pip install 'transformers>=4.40' (or pip install "
+                          "t5forge[hf])") from None
+
+
+def synthetic_batches(bench: BenchName, vocab: int, steps: int, accumulation: int, seed: int = 0) -> list[list[dict]]:
+    """Micro-batches of the name's shape for `steps` steps: random ids, labels with no ignored position."""
+    generator = torch.Generator().manual_seed(seed)
+    S, T, b = bench.inputs_length, bench.target_tokens(), bench.micro_batch_size
+
+    def batch() -> dict:
+        return {"input_ids": torch.randint(2, vocab, (b, S), generator=generator),
+                "attention_mask": torch.ones(b, S, dtype=torch.long),
+                "labels": torch.randint(2, vocab, (b, T), generator=generator)}
+
+    return [[batch() for _ in range(accumulation)] for _ in range(steps)]
+
+
+def hf_model_like(model, device: torch.device):
+    """transformers' model of the same family holding the same weights (saved and loaded the HF way)."""
+    import transformers
+
+    classes = {"t5": transformers.T5ForConditionalGeneration, "mt5": transformers.MT5ForConditionalGeneration,
+               "umt5": transformers.UMT5ForConditionalGeneration}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        hf = classes[model.config.model_type].from_pretrained(tmp, dtype=torch.float32)
+    return hf.to(device).train()
+
+
+class HFStep:
+    """A transformers training step as its users write it: mean loss per micro-batch / accumulation,
+    backward, clip, AdamW (t5forge's parameter groups, fused), GradScaler for fp16."""
+
+    def __init__(self, model, run, device: torch.device):
+        from t5forge.train.optim import build_optimizer
+
+        self.model, self.device, self.precision = model, device, run.precision.dtype
+        self.optimizer = build_optimizer(model, run.optim)
+        self.clip = run.optim.clip_grad_norm
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+
+    def __call__(self, micro_batches: list[dict]) -> torch.Tensor:
+        from t5forge.train.trainer import autocast
+
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with autocast(self.device, self.precision):
+                loss = self.model(**batch).loss / len(micro_batches)
+            self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        self.scaler.unscale_(self.optimizer)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build_trainer(bench: BenchName, config: Path, output: Path):
+    from t5forge.config import load_config
+    from t5forge.train.trainer import Trainer
+
+    # The architecture comes from the name (every field overridden); the preset only supplies the rest
+    # (relative attention buckets, norm epsilon, special token ids), which all presets share.
+    run = load_config(config, [*run_overrides(bench), f"train.output_dir={output}", "train.max_steps=1000",
+                               "model.preset=t5-small"])
+    return Trainer(run, echo=lambda *_: None)
+
+
+def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None) -> dict:
+    """Alternate t5forge's and (with a baseline) transformers' steps in this process; times and losses."""
+    from t5forge.train.metrics import peak_flops, training_flops_per_sample
+
+    trainer = _build_trainer(bench, config, work / f"run-{bench.name}")
+    device, accumulation = trainer.device, trainer.accumulation
+    vocab = min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size)
+    batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation)
+    sides = {"t5forge": trainer.train_step}
+    if baseline == "hf":
+        sides["hf"] = HFStep(hf_model_like(trainer.model, device), trainer.run, device)
+    times = {name: [] for name in sides}
+    losses = {name: [] for name in sides}
+    peaks = {name: 0.0 for name in sides}
+    for i, micro_batches in enumerate(batches):
+        for name, step in sides.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            start = time.perf_counter()
+            loss = step(micro_batches)
+            value = float(loss)  # waits for the step
+            elapsed = time.perf_counter() - start
+            losses[name].append(value)
+            if i >= WARMUP:
+                times[name].append(elapsed)
+                if device.type == "cuda":
+                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) / 2**20)
+    flops = training_flops_per_sample(trainer.model_config, bench.inputs_length, bench.target_tokens())
+    peak, source = peak_flops(device, {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                       "fp16": torch.float16}[bench.precision])
+    results = {}
+    for name in sides:
+        step_s = sum(times[name]) / len(times[name])
+        samples = bench.global_batch_size / step_s
+        results[name] = {"step_s": step_s, "samples_per_s": samples,
+                         "tokens_per_s": samples * (bench.inputs_length + bench.target_tokens()),
+                         "tflops": samples * flops / 1e12, "mfu": samples * flops / peak, "losses": losses[name],
+                         "peak_memory_mib": peaks[name] if device.type == "cuda" else None}
+    trainer.close()
+    return {"device": str(device), "peak_flops": peak, "peak_source": source, "results": results}
+
+
+def memory_child(name: str, side: str, config: str, work: str, out: str) -> None:
+    """In a fresh process, one implementation alone: the peak resident memory of its training steps
+    (weights, gradients, optimizer state, activations) above what the process held before the model
+    was built. The peak is reset (Linux clear_refs) after building, so construction transients do not
+    count."""
+    bench = parse_bench_name(name)
+    before = _memory_mib("VmRSS")
+    if side == "t5forge":
+        trainer = _build_trainer(bench, Path(config), Path(work) / f"memory-{bench.name}")
+        step, device, run = trainer.train_step, trainer.device, trainer.run
+        vocab, accumulation = min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size), \
+            trainer.accumulation
+    else:  # transformers' model of the same shape (random weights: memory does not depend on them)
+        from t5forge.config import batch_arithmetic, load_config
+        from t5forge.models.t5 import T5ForConditionalGeneration
+        from t5forge.train.trainer import build_model_config
+
+        run = load_config(Path(config), [*run_overrides(bench), f"train.output_dir={work}", "train.max_steps=1",
+                                         "model.preset=t5-small"])
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = hf_model_like(T5ForConditionalGeneration(build_model_config(run)), device)
+        step = HFStep(model, run, device)
+        vocab = min(model.config.vocab_size, 8000)
+        accumulation = batch_arithmetic(run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)[1]
+    batches = synthetic_batches(bench, vocab, 2, accumulation)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    for micro_batches in batches:
+        float(step(micro_batches))
+    Path(out).write_text(json.dumps({"peak_memory_mib": _memory_mib("VmHWM") - before}))
+
+
+def _memory_mib(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (peak resident since the last reset) of this process, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _cpu_peak(name: str, side: str, config: Path, work: Path) -> float:
+    with tempfile.TemporaryDirectory(dir=work) as scratch:
+        out = Path(scratch) / "memory.json"
+        job = subprocess.run([sys.executable, "-m", "t5forge.bench.training", "memory", name, side, str(config),
+                              str(work), str(out)], capture_output=True, text=True)
+        if job.returncode != 0:
+            raise RuntimeError(f"memory measurement of {side} for {name} failed:\n{job.stderr[-3000:]}")
+        return json.loads(out.read_text())["peak_memory_mib"]
+
+
+def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_dir: str | os.PathLike,
+                         steps: int = 5, baseline: str | None = None, command: str = "") -> dict:
+    from t5forge.bench.data import _machine, prepare_training_data
+    from t5forge.fileio import write_text_atomic
+
+    benches = [parse_bench_name(n) for n in names]  # every name checked before anything runs
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    for bench in benches:
+        if bench.processes != 1:
+            raise ConfigError(f"benchmark name {bench.name!r} asks for {bench.processes} processes; this version "
+                              "runs named benchmarks in one process (1n1g); use `t5forge bench distributed` or "
+                              "`comm` for multi-process layouts")
+    if baseline is not None:
+        check_baseline_available()
+    work, prefix, tokenizer = prepare_training_data(work_dir)
+    config = work / "named-bench.yaml"
+    config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
+    entries = {}
+    for bench in benches:
+        entry = measure(bench, config, work, steps, baseline)
+        if entry["device"] == "cpu":
+            for side in entry["results"]:
+                entry["results"][side]["peak_memory_mib"] = _cpu_peak(bench.name, side, config, work)
+        if baseline is not None:
+            ours, theirs = entry["results"]["t5forge"], entry["results"][baseline]
+            entry["ratio_samples_per_s"] = ours["samples_per_s"] / theirs["samples_per_s"]
+            entry["ratio_peak_memory"] = ours["peak_memory_mib"] / theirs["peak_memory_mib"]
+        entries[bench.name] = {"shape": {"inputs": bench.inputs_length, "targets": bench.target_tokens(),
+                                         **bench.model_overrides()}, **entry}
+    import transformers
+
+    result = {"machine": _machine(), "transformers": transformers.__version__,
+              "date": time.strftime("%Y-%m-%d"), "command": command, "steps": steps, "warmup_steps": WARMUP,
+              "baseline": baseline, "benchmarks": entries}
+    out = Path(output_dir)
+    write_text_atomic(out / "named.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out / "named.md", render_markdown(result))
+    _plot(result, out / "named.png")
+    return result
+
+
+def render_markdown(r: dict) -> str:
+    from t5forge.bench.distributed import _table as table
+
+    m = r["machine"]
+    lines = ["# Named training benchmarks", "",
+             f"`{r['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers "
+             f"{r['transformers']}, {r['date']}: synthetic batches, {r['warmup_steps']} warm-up steps then the mean of "
+             f"{r['steps']}" + (", steps alternating with transformers' T5 on the same weights, batches and "
+                                "optimizer" if r["baseline"] else "") + ".", ""]
+    rows = []
+    for name, e in r["benchmarks"].items():
+        for side, x in e["results"].items():
+            rows.append([name, side, f"{x['step_s'] * 1e3:.0f}", f"{x['samples_per_s']:.2f}",
+                         f"{x['tokens_per_s']:.0f}", f"{x['tflops']:.3f}", f"{100 * x['mfu']:.1f}%",
+                         f"{x['peak_memory_mib']:.0f}", f"{x['losses'][-1]:.3f}"])
+    lines += table(["name", "implementation", "step ms", "samples/s", "tokens/s", "TFLOP/s", "MFU",
+                    "peak memory MiB", "last loss"], rows)
+    if r["baseline"]:
+        lines += ["", *table(["name", "samples/s t5forge / transformers", "peak memory t5forge / transformers"],
+                             [[n, f"{e['ratio_samples_per_s']:.2f}x", f"{e['ratio_peak_memory']:.2f}x"]
+                              for n, e in r["benchmarks"].items()])]
+    lines += ["", "MFU against " + ", ".join(sorted({e["peak_source"] for e in r["benchmarks"].values()})) + ".",
+              "CPU peak memory: each implementation alone in a child process, peak resident memory above the "
+              "process's before the model was built.", ""]
+    return "\n".join(lines)
+
+
+def _plot(r: dict, path: Path) -> None:
+    """Samples/s per name and implementation, as a bar chart (matplotlib's object API: no global state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(r["benchmarks"])
+    sides = list(next(iter(r["benchmarks"].values()))["results"])
+    fig = Figure(figsize=(max(4, 2 * len(names)), 3))
+    ax = fig.add_subplot()
+    width = 0.8 / len(sides)
+    for i, side in enumerate(sides):
+        ax.bar([j + i * width for j in range(len(names))],
+               [r["benchmarks"][n]["results"][side]["samples_per_s"] for n in names], width, label=side)
+    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(names))], names, fontsize=6)
+    ax.set_ylabel("samples/s")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    FigureCanvasAgg(fig).print_png(str(tmp))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "memory":
+        with contextlib.suppress(BrokenPipeError):
+            memory_child(*sys.argv[2:7])
