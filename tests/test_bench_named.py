@@ -76,8 +76,8 @@ def work(corpus_file, tokenizer_dir, tmp_path):
     return work
 
 
-def test_tiny_run_without_baseline(work, tmp_path):
-    run_named_benchmarks([TINY], tmp_path / "out", work, steps=2, command="test")
+def test_tiny_run_without_baseline_and_its_profile(work, tmp_path):
+    run_named_benchmarks([TINY], tmp_path / "out", work, steps=2, command="test", profile=True)
     result = json.loads((tmp_path / "out" / "named.json").read_text())
     entry = result["benchmarks"][TINY]
     assert list(entry["results"]) == ["t5forge"] and "ratio_samples_per_s" not in entry
@@ -86,6 +86,15 @@ def test_tiny_run_without_baseline(work, tmp_path):
     assert ours["peak_memory_mib"] > 0 and len(ours["losses"]) == 4  # 2 warm-up + 2 timed
     assert (tmp_path / "out" / "named.png").stat().st_size > 1000
     assert result["command"] == "test" and result["machine"]["torch"]
+    # The profile: profiler ranges of every phase of one step, together nearly the whole step.
+    profile = entry["profile"]
+    assert {"data", "forward encoder", "forward decoder", "loss", "backward", "optimizer"} <= set(profile["phases"])
+    assert 0.8 < sum(profile["phases"].values()) <= 1.0
+    assert profile["phases"]["backward"] > profile["phases"]["loss"]
+    assert profile["collectives"] == {}  # one process: none
+    trace = json.loads((tmp_path / "out" / f"{TINY}.trace.json").read_text())
+    assert any(e.get("name") == "phase: backward" for e in trace["traceEvents"])
+    assert "Profile of one t5forge step" in (tmp_path / "out" / "named.md").read_text()
 
 
 def test_tiny_run_against_transformers_uses_the_same_weights_and_batches(work, tmp_path):

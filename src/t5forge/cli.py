@@ -151,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"run one suite ({', '.join(BENCH_SUITES)}) at a time, or benchmark names only")
         command = "t5forge bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else args.names)
         run_named_benchmarks(args.names, args.output_dir, args.work_dir, steps=args.steps, baseline=args.baseline,
-                             command=command)
+                             command=command, profile=args.profile)
         print((Path(args.output_dir) / "named.md").read_text())
         print(f"wrote {args.output_dir}/named.json, named.md and named.png")
         return 0
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", choices=["hf"], default=None,
                        help="named benchmarks: also step transformers' T5 on the same weights and batches")
     bench.add_argument("--steps", type=int, default=5, help="named benchmarks: timed steps after 2 warm-up steps")
+    bench.add_argument("--profile", action="store_true",
+                       help="named benchmarks: profile one more step (phase and collective shares, Chrome trace)")
     bench.add_argument("--work-dir", default="runs/bench-data", help="corpus, tokenizer and datasets (reused)")
     bench.set_defaults(func=cmd_bench)
     return parser

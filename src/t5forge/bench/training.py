@@ -1,5 +1,7 @@
-"""`t5forge bench NAME... [--baseline hf] [--steps N] [--output DIR]`: training throughput of named runs
-(names: bench/names.py), optionally next to transformers' own T5 in the same invocation.
+"""`t5forge bench NAME... [--baseline hf] [--steps N] [--output DIR] [--profile]`: training throughput of
+named runs (names: bench/names.py), optionally next to transformers' own T5 in the same invocation, and
+with `--profile` one more step under torch.profiler: the share of each phase and collective type, and a
+Chrome/Perfetto trace.
 
 One process per name here (nodes x devices = 1): t5forge's `Trainer.train_step` on synthetic batches of
 the name's shape (random token ids, S input and T target tokens, every position real), and with
@@ -112,7 +114,8 @@ def _build_trainer(bench: BenchName, config: Path, output: Path):
     return Trainer(run, echo=lambda *_: None)
 
 
-def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None) -> dict:
+def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
+            profile_trace: Path | None = None) -> dict:
     """Alternate t5forge's and (with a baseline) transformers' steps in this process; times and losses."""
     from t5forge.train.metrics import peak_flops, training_flops_per_sample
 
@@ -151,8 +154,89 @@ def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: st
                          "tokens_per_s": samples * (bench.inputs_length + bench.target_tokens()),
                          "tflops": samples * flops / 1e12, "mfu": samples * flops / peak, "losses": losses[name],
                          "peak_memory_mib": peaks[name] if device.type == "cuda" else None}
+    profiled = None
+    if profile_trace is not None:  # after the timed steps: profiling does not slow them
+        profiled = profile_step(trainer, lambda: synthetic_batches(bench, vocab, 1, accumulation, seed=1)[0],
+                                profile_trace)
     trainer.close()
-    return {"device": str(device), "peak_flops": peak, "peak_source": source, "results": results}
+    return {"device": str(device), "peak_flops": peak, "peak_source": source, "results": results,
+            **({"profile": profiled} if profiled else {})}
+
+
+class PhaseRanges:
+    """Profiler ranges named after the phases of a step ("phase: forward encoder", ...), switched whenever
+    the trainer (`Trainer.phase_listeners`) or the model's hooks announce the next phase."""
+
+    def __init__(self, model: torch.nn.Module | None):
+        from t5forge.parallel.comm_audit import install_phase_hooks
+
+        self._range = None
+        self._handles = install_phase_hooks(model, self._switch) if model is not None else []
+
+    @property
+    def phase(self) -> str | None:
+        return self._name
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._switch(name)
+
+    def _switch(self, name: str) -> None:
+        self._end()
+        self._name, self._range = name, torch.profiler.record_function(f"phase: {name}")
+        self._range.__enter__()
+
+    def _end(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def close(self) -> None:
+        self._end()
+        for handle in self._handles:
+            handle.remove()
+
+
+def profile_step(trainer, make_batches, trace: Path) -> dict:
+    """One training step under torch.profiler: the share of the step's wall time spent in each phase (data,
+    bookkeeping, forward encoder, forward decoder, loss, backward, optimizer; `pipeline` for a pipelined
+    step) and in each collective type, from the profiler's ranges; the Chrome/Perfetto trace to `trace`."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from t5forge.parallel.comm_audit import C10D_OPS, FUNCTIONAL_OPS
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    ranges = PhaseRanges(trainer.model if trainer.pipeline is None else None)
+    trainer.phase_listeners.append(ranges)
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            ranges.phase = "data"
+            micro_batches = make_batches()
+            float(trainer.train_step(micro_batches))  # waits for the step
+            ranges.close()
+            step_s = time.perf_counter() - start
+    finally:
+        trainer.phase_listeners.remove(ranges)
+        ranges.close()
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    phases: dict[str, float] = defaultdict(float)
+    collectives: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        seconds = event.time_range.elapsed_us() / 1e6
+        namespace, _, op = event.name.partition("::")
+        if event.name.startswith("phase: "):
+            phases[event.name.removeprefix("phase: ")] += seconds
+        elif namespace == "c10d" and op in C10D_OPS:
+            collectives[C10D_OPS[op]] += seconds
+        elif namespace == "_c10d_functional" and op in FUNCTIONAL_OPS:
+            collectives[FUNCTIONAL_OPS[op]] += seconds
+    return {"step_s": step_s, "trace": str(trace),
+            "phases": {name: seconds / step_s for name, seconds in phases.items()},
+            "collectives": {name: seconds / step_s for name, seconds in collectives.items()}}
 
 
 def memory_child(name: str, side: str, config: str, work: str, out: str) -> None:
@@ -205,7 +289,8 @@ def _cpu_peak(name: str, side: str, config: Path, work: Path) -> float:
 
 
 def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_dir: str | os.PathLike,
-                         steps: int = 5, baseline: str | None = None, command: str = "") -> dict:
+                         steps: int = 5, baseline: str | None = None, command: str = "",
+                         profile: bool = False) -> dict:
     from t5forge.bench.data import _machine, prepare_training_data
     from t5forge.fileio import write_text_atomic
 
@@ -224,7 +309,8 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
     config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
     entries = {}
     for bench in benches:
-        entry = measure(bench, config, work, steps, baseline)
+        trace = Path(output_dir) / f"{bench.name}.trace.json" if profile else None
+        entry = measure(bench, config, work, steps, baseline, trace)
         if entry["device"] == "cpu":
             for side in entry["results"]:
                 entry["results"][side]["peak_memory_mib"] = _cpu_peak(bench.name, side, config, work)
@@ -267,6 +353,14 @@ def render_markdown(r: dict) -> str:
         lines += ["", *table(["name", "samples/s t5forge / transformers", "peak memory t5forge / transformers"],
                              [[n, f"{e['ratio_samples_per_s']:.2f}x", f"{e['ratio_peak_memory']:.2f}x"]
                               for n, e in r["benchmarks"].items()])]
+    for name, e in r["benchmarks"].items():
+        if "profile" in e:
+            prof = e["profile"]
+            lines += ["", f"Profile of one t5forge step of {name} ({prof['step_s'] * 1e3:.0f} ms; trace: "
+                      f"`{Path(prof['trace']).name}`, open in Perfetto or chrome://tracing):", ""]
+            lines += table(["part of the step", "share"],
+                           [[k, f"{100 * v:.1f}%"] for k, v in prof["phases"].items()]
+                           + [[f"collective: {k}", f"{100 * v:.1f}%"] for k, v in prof["collectives"].items()])
     lines += ["", "MFU against " + ", ".join(sorted({e["peak_source"] for e in r["benchmarks"].values()})) + ".",
               "CPU peak memory: each implementation alone in a child process, peak resident memory above the "
               "process's before the model was built.", ""]

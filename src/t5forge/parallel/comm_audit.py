@@ -170,6 +170,26 @@ class _Timer:
         self.pending = []
 
 
+def install_phase_hooks(model: torch.nn.Module, set_phase) -> list:
+    """Hooks that announce the phases inside the model's forward pass through `set_phase(name)`: forward
+    encoder (its embedding included) -> forward decoder (its embedding included) -> loss (LM head and
+    cross-entropy). The trainer announces the others. Returns the hook handles."""
+    encoder_done = [False]
+
+    def embedding(*_):
+        set_phase("forward decoder" if encoder_done[0] else "forward encoder")
+
+    def after_encoder(*_):
+        encoder_done[0] = True
+
+    def after_decoder(*_):
+        encoder_done[0] = False
+        set_phase("loss")
+
+    return [model.shared.register_forward_pre_hook(embedding), model.encoder.register_forward_hook(after_encoder),
+            model.decoder.register_forward_hook(after_decoder)]
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """While active, records every collective (see the module docstring) into `self.record`. `phase` is set
     by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`)."""
@@ -251,24 +271,8 @@ class CollectiveRecorder(TorchDispatchMode):
         dist.Work.wait = wait
 
     def _install_phase_hooks(self) -> None:
-        """forward (FSDP's root gather) -> forward encoder (its embedding included) -> forward decoder (its
-        embedding included) -> loss (LM head and cross-entropy). The trainer marks the other phases."""
-        if self.model is None:
-            return
-        model, encoder_done = self.model, [False]
-
-        def embedding(*_):
-            self.phase = "forward decoder" if encoder_done[0] else "forward encoder"
-
-        def after_encoder(*_):
-            encoder_done[0] = True
-
-        def after_decoder(*_):
-            self.phase, encoder_done[0] = "loss", False
-
-        self._handles += [model.shared.register_forward_pre_hook(embedding),
-                          model.encoder.register_forward_hook(after_encoder),
-                          model.decoder.register_forward_hook(after_decoder)]
+        if self.model is not None:
+            self._handles += install_phase_hooks(self.model, lambda name: setattr(self, "phase", name))
 
     def __enter__(self):
         self._install_wait()

@@ -313,7 +313,9 @@ class Trainer:
         self.loss_scaler = LossScaler(run.precision, self.device)
         self.last_grad_norm = torch.full((), math.nan, device=self.device)
         self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
-        self.comm_recorder = None  # a CollectiveRecorder while a step is audited (parallel/comm_audit.py)
+        # Told which part of the step runs next (`_phase`): a CollectiveRecorder while a step is audited
+        # (parallel/comm_audit.py), profiler ranges while one is profiled (bench/training.py).
+        self.phase_listeners: list = []
         self.state = TrainState()
         self._rng_to_restore: dict | None = None
         if resume_from is not None:
@@ -345,12 +347,12 @@ class Trainer:
         takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
         # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
         recorder = CollectiveRecorder(mesh_dims(self.mesh), self.device, self.model if self.pipeline is None else None)
-        self.comm_recorder = recorder
+        self.phase_listeners.append(recorder)
         try:
             with recorder:
                 loss = self.train_step(micro_batches)
         finally:
-            self.comm_recorder = None
+            self.phase_listeners.remove(recorder)
         gathered = [None] * dist.get_world_size()  # (measured, required) of every rank
         dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(self.comm_requirements().items())))
         report = build_report([m for m, _ in gathered], [dict(r) for _, r in gathered], self.global_batch_size,
@@ -502,9 +504,9 @@ class Trainer:
         return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _phase(self, name: str) -> None:
-        """Tell an active communication audit which part of the step issues the next collectives."""
-        if self.comm_recorder is not None:
-            self.comm_recorder.phase = name
+        """Tell the phase listeners (an audit, a profile) which part of the step runs next."""
+        for listener in self.phase_listeners:
+            listener.phase = name
 
     def run_training(self, hooks: list | None = None) -> TrainState:
         hooks = hooks if hooks is not None else default_hooks(self)
