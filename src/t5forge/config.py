@@ -80,6 +80,9 @@ class PrecisionConfig:
     loss_scale_growth_interval: int = 2000
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 @dataclass
 class ParallelConfig:
     dp: int = 1
@@ -109,7 +112,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "linear", "cosine", "inverse_sqrt"),
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.pp_schedule": PP_SCHEDULES,
 }
 
 

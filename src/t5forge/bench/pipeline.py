@@ -20,13 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from t5forge.config import PP_SCHEDULES
+
 # 4 + 4 equal blocks (pp4: one block per stage; interleaved pp2 x 2 and pp4 x 2 keep whole blocks), the head
 # small next to a block, so that stages are nearly equal and the bubble is the schedule's.
 MODEL = ["model.preset=t5-v1_1-small", "model.overrides.num_layers=4", "model.overrides.num_decoder_layers=4",
          "model.overrides.d_model=256", "model.overrides.d_ff=1024", "model.overrides.num_heads=4",
          "model.overrides.d_kv=64", "model.overrides.vocab_size=8192", "model.dropout_rate=0",
          "data.inputs_length=128", "train.micro_batch_size=2"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MICRO_BATCHES = {2: (2, 4, 8), 4: (4, 8)}
 WARMUP, STEPS = 2, 4
 
@@ -92,7 +93,7 @@ def worker(config: str, out: str, cases: list[dict]) -> None:
 
 def run_pipeline_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike,
                            model: list[str] = MODEL, micro_batches: dict = MICRO_BATCHES,
-                           schedules: tuple = SCHEDULES) -> dict:
+                           schedules: tuple = PP_SCHEDULES) -> dict:
     """Every (pp, schedule, m) of `micro_batches` x `schedules`; `model` are overrides (tests shrink them)."""
     from t5forge.bench.data import _machine, prepare_training_data
     from t5forge.fileio import write_text_atomic

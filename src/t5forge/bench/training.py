@@ -103,15 +103,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build_trainer(bench: BenchName, config: Path, output: Path):
+def _run_config(bench: BenchName, config: Path, output: Path):
     from t5forge.config import load_config
-    from t5forge.train.trainer import Trainer
 
     # The architecture comes from the name (every field overridden); the preset only supplies the rest
     # (relative attention buckets, norm epsilon, special token ids), which all presets share.
-    run = load_config(config, [*run_overrides(bench), f"train.output_dir={output}", "train.max_steps=1000",
-                               "model.preset=t5-small"])
-    return Trainer(run, echo=lambda *_: None)
+    return load_config(config, [*run_overrides(bench), f"train.output_dir={output}", "train.max_steps=1000",
+                                "model.preset=t5-small"])
+
+
+def _token_ids_below(trainer) -> int:
+    """Synthetic token ids stay below both the model's and the tokenizer's vocabulary."""
+    return min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size)
+
+
+def _build_trainer(bench: BenchName, config: Path, output: Path):
+    from t5forge.train.trainer import Trainer
+
+    return Trainer(_run_config(bench, config, output), echo=lambda *_: None)
 
 
 def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
@@ -121,7 +130,7 @@ def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: st
 
     trainer = _build_trainer(bench, config, work / f"run-{bench.name}")
     device, accumulation = trainer.device, trainer.accumulation
-    vocab = min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size)
+    vocab = _token_ids_below(trainer)
     batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation)
     sides = {"t5forge": trainer.train_step}
     if baseline == "hf":
@@ -248,16 +257,13 @@ def memory_child(name: str, side: str, config: str, work: str, out: str) -> None
     before = _memory_mib("VmRSS")
     if side == "t5forge":
         trainer = _build_trainer(bench, Path(config), Path(work) / f"memory-{bench.name}")
-        step, device, run = trainer.train_step, trainer.device, trainer.run
-        vocab, accumulation = min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size), \
-            trainer.accumulation
+        step, vocab, accumulation = trainer.train_step, _token_ids_below(trainer), trainer.accumulation
     else:  # transformers' model of the same shape (random weights: memory does not depend on them)
-        from t5forge.config import batch_arithmetic, load_config
+        from t5forge.config import batch_arithmetic
         from t5forge.models.t5 import T5ForConditionalGeneration
         from t5forge.train.trainer import build_model_config
 
-        run = load_config(Path(config), [*run_overrides(bench), f"train.output_dir={work}", "train.max_steps=1",
-                                         "model.preset=t5-small"])
+        run = _run_config(bench, Path(config), Path(work))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = hf_model_like(T5ForConditionalGeneration(build_model_config(run)), device)
         step = HFStep(model, run, device)

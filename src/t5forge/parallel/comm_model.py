@@ -59,7 +59,14 @@ import torch
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, assign_owners, partition_buckets
-from t5forge.parallel.pipeline import StageSpec, boundary_shapes, prune_to_stages, stage_specs
+from t5forge.parallel.pipeline import (
+    StageSpec,
+    boundary_shapes,
+    parameter_holders,
+    prune_to_stages,
+    rank_stages,
+    stage_specs,
+)
 
 FP32, FP64 = 4, 8
 COLUMN_SPLIT = ("q", "k", "v", "wi", "wi_0", "wi_1")  # Linear weights [out, in]: out (dim 0) split over tp
@@ -133,7 +140,7 @@ def _local_stages(config: T5Config, layout: Layout, pp_rank: int) -> tuple[list[
     """(every stage, the stages of pipeline rank `pp_rank`); one stage of all blocks without a pipeline."""
     blocks = config.num_layers + config.num_decoder_layers
     specs = stage_specs(list(layout.pp_layers) if layout.pp > 1 else [blocks], config)
-    return specs, [s for s in specs if s.index % layout.pp == pp_rank]
+    return specs, rank_stages(specs, layout.pp, pp_rank)
 
 
 def _fsdp_units(params: list[tuple[str, tuple[int, ...]]], num_layers: int,
@@ -237,7 +244,7 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 for shape in boundary_shapes(boundary, b, S, T, d):
                     need(forward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
                     need(backward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
-        for elements in _tied_elements(config, layout, specs, pp_rank):
+        for elements in _tied_elements(config, layout, specs, local):
             need("all_reduce", "pp", 1, elements, FP32, "gradients of parameters copied on pipeline ranks")
 
     if dp > 1:
@@ -277,16 +284,15 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
     return out
 
 
-def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec], pp_rank: int) -> list[int]:
-    """Elements of this rank's parameters that other pipeline ranks also hold, per set of holders (their
-    gradients are summed over pp in one all-reduce per set: pipeline.TiedParameters)."""
-    held = [dict(_parameters(config, [s for s in specs if s.index % layout.pp == r])) for r in range(layout.pp)]
-    per_set: dict[frozenset[int], int] = defaultdict(int)
-    for name, shape in held[pp_rank].items():
-        holders = frozenset(r for r in range(layout.pp) if name in held[r])
-        if len(holders) > 1:
-            per_set[holders] += math.prod(_local_shape(name, shape, layout.tp))
-    return [per_set[k] for k in sorted(per_set, key=sorted)]
+def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec], local: list[StageSpec]) -> list[int]:
+    """Elements of this rank's parameters (of stages `local`) that other pipeline ranks also hold, per set of
+    holders (their gradients are summed over pp in one all-reduce per set: pipeline.TiedParameters)."""
+    holders = parameter_holders(config, specs, layout.pp)
+    per_set: dict[tuple[int, ...], int] = defaultdict(int)
+    for name, shape in _parameters(config, local):
+        if len(holders[name]) > 1:
+            per_set[holders[name]] += math.prod(_local_shape(name, shape, layout.tp))
+    return [per_set[k] for k in sorted(per_set)]
 
 
 def totals(requirements: list[Requirement]) -> dict[tuple[str, str], dict]:

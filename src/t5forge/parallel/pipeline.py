@@ -40,10 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks
-from t5forge.parallel.data_parallel import shard_gradient_like_parameter
+from t5forge.parallel.data_parallel import local, shard_gradient_like_parameter
 from t5forge.train.metrics import block_forward_flops
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 # -- the split ---------------------------------------------------------------------------------------------
@@ -170,6 +168,11 @@ def stage_specs(layers: list[int], config: T5Config) -> list[StageSpec]:
     return [StageSpec(i, len(layers), s, s + n, config.num_layers) for i, (s, n) in enumerate(zip(starts, layers))]
 
 
+def rank_stages(specs: list[StageSpec], pp: int, pp_rank: int) -> list[StageSpec]:
+    """The stages pipeline rank `pp_rank` runs: stage i on rank i % pp (torch's interleaved placement)."""
+    return [s for s in specs if s.index % pp == pp_rank]
+
+
 def boundary_shapes(spec: StageSpec, batch: int, source: int, target: int, d_model: int) -> list[tuple[int, ...]]:
     """Shapes of what stage `spec` receives: token ids for the first stage, the encoder hidden states
     inside the encoder, the encoder output into the decoder, and the decoder hidden states beside it."""
@@ -227,6 +230,15 @@ def part_parameter_names(config: T5Config, specs: list[StageSpec]) -> list[str]:
     with torch.device("meta"):
         part = prune_to_stages(T5ForConditionalGeneration(config), specs)
     return [name for name, _ in part.named_parameters()]
+
+
+def parameter_holders(config: T5Config, specs: list[StageSpec], pp: int) -> dict[str, tuple[int, ...]]:
+    """{parameter name: the pipeline ranks whose part holds it}; more than one rank: copies (TiedParameters)."""
+    holders: dict[str, tuple[int, ...]] = {}
+    for rank in range(pp):
+        for name in part_parameter_names(config, rank_stages(specs, pp, rank)):
+            holders[name] = holders.get(name, ()) + (rank,)
+    return holders
 
 
 # -- one stage ---------------------------------------------------------------------------------------------
@@ -302,13 +314,10 @@ class TiedParameters:
     over the ranks that hold them, one all-reduce per set of ranks, and their gradient norm is counted
     on the first of them only."""
 
-    def __init__(self, part: T5ForConditionalGeneration, names_per_rank: list[list[str]], mesh):
-        pp_rank = mesh.mesh.get_local_rank("pp")
-        holders: dict[str, tuple[int, ...]] = {}
-        for rank, names in enumerate(names_per_rank):
-            for name in names:
-                holders[name] = holders.get(name, ()) + (rank,)
+    def __init__(self, part: T5ForConditionalGeneration, holders: dict[str, tuple[int, ...]], mesh):
         from t5forge.parallel.parallelize import unwrap_name
+
+        pp_rank = mesh.pp_rank
 
         params = {unwrap_name(n): p for n, p in part.named_parameters()}  # names as HF's, without AC wrappers
         self.groups: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
@@ -334,20 +343,13 @@ class TiedParameters:
         for group, params in self.groups:
             for p in params:
                 shard_gradient_like_parameter(p)
-            grads = [_local(p.grad) for p in params]
+            grads = [local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-    def bytes_per_step(self) -> int:
-        return sum(_local(p).numel() * _local(p).element_size() for _, params in self.groups for p in params)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # -- the pipeline of one rank ------------------------------------------------------------------------------
@@ -361,16 +363,13 @@ class Pipeline:
 
         config = part.config
         self.mesh, self.pp = mesh, parallel.pp
-        self.pp_rank = mesh.mesh.get_local_rank("pp")
         self.group = mesh.mesh["pp"].get_group()
         self.specs = stage_specs(layers, config)
-        self.local_specs = [s for s in self.specs if s.index % self.pp == self.pp_rank]
+        self.local_specs = rank_stages(self.specs, self.pp, mesh.pp_rank)
         self.shape = (source, target, config.d_model)
         tp_mesh = mesh.mesh["tp"] if mesh.tp_size > 1 else None
         self.modules = [StageModule(part, spec, tp_mesh) for spec in self.local_specs]
-        names = [part_parameter_names(config, [s for s in self.specs if s.index % self.pp == r])
-                 for r in range(self.pp)]
-        self.tied = TiedParameters(part, names, mesh)
+        self.tied = TiedParameters(part, parameter_holders(config, self.specs, self.pp), mesh)
         self.stages = []
         for module, spec in zip(self.modules, self.local_specs):
             received = [_meta(shape, torch.long if spec.start == 0 else torch.float32)
@@ -390,10 +389,6 @@ class Pipeline:
             single = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
             self.schedule = single(self.stages[0], microbatches, loss_fn=loss, scale_grads=False)
 
-    @property
-    def has_last_stage(self) -> bool:
-        return any(s.is_last for s in self.local_specs)
-
     def set_on_logits(self, fn) -> None:
         for module in self.modules:
             module.on_logits = fn
@@ -410,16 +405,16 @@ class Pipeline:
         """One batch through every stage in order, without a schedule (evaluation): the last stage's
         result on the rank that holds it, None elsewhere. Activations go by send/recv over pp."""
         size = batch["input_ids"].shape[0]
-        result, local = None, {s.index: m for s, m in zip(self.local_specs, self.modules)}
+        result, own = None, {s.index: m for s, m in zip(self.local_specs, self.modules)}
         received: tuple = (batch["input_ids"],)
         for spec in self.specs:
-            if spec.index not in local:
+            if spec.index not in own:
                 continue
             if spec.index > 0:
                 source = dist.get_global_rank(self.group, (spec.index - 1) % self.pp)
                 received = tuple(_recv(shape, source, self.mesh.device)
                                  for shape in boundary_shapes(spec, size, *self.shape))
-            output = local[spec.index](*received, attention_mask=batch["attention_mask"], labels=batch["labels"])
+            output = own[spec.index](*received, attention_mask=batch["attention_mask"], labels=batch["labels"])
             if spec.is_last:
                 result = output
                 continue
@@ -447,9 +442,10 @@ def _recv(shape: tuple[int, ...], source: int, device: torch.device) -> torch.Te
 # -- gathering the full model ------------------------------------------------------------------------------
 class FullParameters:
     """Every parameter in full, one at a time, on global rank 0, from a pipelined layout: the first stage
-    rank's own, then each other pipeline rank's (gathered over tp there, then sent). `sizes` ({name:
-    bytes}, in arrival order, tied copies once) is known on rank 0 before any tensor arrives; every rank
-    must iterate `tensors()` (the gathers are collective)."""
+    rank's own, then each other pipeline rank's (gathered over tp there, then sent). Each pipeline rank
+    first sends the names, shapes and dtypes of its parameters, so `sizes` ({name: bytes}, in arrival
+    order, tied copies once) is known on rank 0 before any tensor arrives, and every tensor then travels
+    alone; every rank must iterate `tensors()` (the gathers are collective)."""
 
     def __init__(self, part: nn.Module, mesh):
         from t5forge.parallel.parallelize import unwrap_name
@@ -459,7 +455,7 @@ class FullParameters:
         self.pp_rank, self.gathers = coords["pp"], coords["dp"] == 0  # dp rank 0 of each stage gathers over tp
         self.leader = self.gathers and coords["tp"] == 0
         self.ranks = mesh.mesh.mesh
-        header = [(unwrap_name(n), p.numel() * p.element_size()) for n, p in part.named_parameters()]
+        header = [(unwrap_name(n), tuple(p.shape), p.dtype) for n, p in part.named_parameters()]
         self.headers = [header]
         if self.leader and self.pp_rank > 0:
             dist.send_object_list([header], dst=int(self.ranks[0, 0, 0]), device=torch.device("cpu"))
@@ -470,8 +466,8 @@ class FullParameters:
                 self.headers.append(received[0])
         self.sizes: dict[str, int] = {}
         for header in self.headers:
-            for name, size in header:
-                self.sizes.setdefault(name, size)
+            for name, shape, dtype in header:
+                self.sizes.setdefault(name, math.prod(shape) * dtype.itemsize)
 
     def tensors(self):
         from t5forge.parallel.parallelize import full_parameters
@@ -485,10 +481,8 @@ class FullParameters:
                 seen.add(name)
                 yield name, tensor
             for p, header in enumerate(self.headers[1:], start=1):
-                for name, size in header:
-                    meta = [None]
-                    dist.recv_object_list(meta, src=int(self.ranks[p, 0, 0]), device=torch.device("cpu"))
-                    tensor = torch.empty(meta[0][0], dtype=meta[0][1])
+                for name, shape, dtype in header:
+                    tensor = torch.empty(shape, dtype=dtype)
                     dist.recv(tensor, src=int(self.ranks[p, 0, 0]))
                     if name not in seen:
                         seen.add(name)
@@ -496,5 +490,4 @@ class FullParameters:
             return
         for name, tensor in own:
             if self.leader and self.pp_rank > 0:
-                dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=0, device=torch.device("cpu"))
                 dist.send(tensor.contiguous(), dst=0)

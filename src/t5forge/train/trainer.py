@@ -57,6 +57,7 @@ from t5forge.parallel.pipeline import (
     check_schedule,
     describe_split,
     prune_to_stages,
+    rank_stages,
     split_blocks,
     stage_specs,
 )
@@ -136,7 +137,7 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
         model = T5ForConditionalGeneration(config)
     plan = named_init_plan(model)  # of the whole model: every rank draws the same stream
     if p.pp > 1:
-        prune_to_stages(model, [s for s in stage_specs(pp_layers, config) if s.index % p.pp == mesh.pp_rank])
+        prune_to_stages(model, rank_stages(stage_specs(pp_layers, config), p.pp, mesh.pp_rank))
     parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile)
     if reader is not None:
         return materialize_from_hf(model, reader, mesh.device)
@@ -308,6 +309,8 @@ class Trainer:
         if p.pp > 1:
             self.pipeline = Pipeline(self.model, self.pp_layers, p, self.mesh, self.accumulation,
                                      run.train.micro_batch_size, d.inputs_length, self.targets_length)
+        # Copies of a parameter on several pipeline ranks: clipped everywhere, their norm counted on one rank.
+        self.norm_counted_elsewhere = self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set()
         self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
         self.loss_scaler = LossScaler(run.precision, self.device)
@@ -432,11 +435,39 @@ class Trainer:
         if data_parallel:
             dist.all_reduce(tokens, group=dp_group)  # target tokens of the global batch
         multiplier = self.loss_scaler.scale.double() * self.mesh.dp_size / tokens
+        forward_backward = self._forward_backward if self.pipeline is None else self._pipeline_forward_backward
+        total = forward_backward(micro_batches, multiplier)
+        zero1 = self.run.parallel.zero_stage == 1
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        if self.run.parallel.sequence_parallel:
+            reduce_partial_gradients(self.params)
+        self._phase("optimizer")
+        self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
+        max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
+        self.last_grad_norm = clip_grad_norm(
+            self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
+            owner_dims=("pp", "dp") if zero1 else ("pp",), counted_elsewhere=self.norm_counted_elsewhere)
+        found_inf = self.loss_scaler.update(self.last_grad_norm)
+        optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
+        if zero1:
+            self.grad_sync.all_gather_parameters()
+        # As torch.amp.GradScaler: the schedule follows iterations, skipped fp16 steps included (knowing
+        # whether a step was skipped would cost a host synchronisation).
+        self.scheduler.step()
+        for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
+            p.grad = None
+        self._phase("bookkeeping")
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
+        return (total / tokens).float()
+
+    def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
+                          multiplier: torch.Tensor) -> torch.Tensor:
+        """The forward and backward passes of every micro-batch, the dp gradient reduction armed for the last
+        one; returns the summed token loss of this rank's micro-batches."""
         fsdp, tensor_parallel = self.run.parallel.zero_stage >= 2, self.mesh.tp_size > 1
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.pipeline is not None:
-            total = self._pipeline_forward_backward(micro_batches, multiplier)
-            micro_batches = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if fsdp:  # reduce-scatter the gradients once, after the last micro-batch
@@ -455,31 +486,7 @@ class Trainer:
                 self._phase("backward")
                 (loss_sum * multiplier).backward()
             total += scalar(loss_sum.detach()).double()
-        zero1 = self.run.parallel.zero_stage == 1
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        if self.run.parallel.sequence_parallel:
-            reduce_partial_gradients(self.params)
-        self._phase("optimizer")
-        self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
-        max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
-        self.last_grad_norm = clip_grad_norm(
-            self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
-            owner_dims=("pp", "dp") if zero1 else ("pp",),
-            counted_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else frozenset())
-        found_inf = self.loss_scaler.update(self.last_grad_norm)
-        optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
-        if zero1:
-            self.grad_sync.all_gather_parameters()
-        # As torch.amp.GradScaler: the schedule follows iterations, skipped fp16 steps included (knowing
-        # whether a step was skipped would cost a host synchronisation).
-        self.scheduler.step()
-        for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
-            p.grad = None
-        self._phase("bookkeeping")
-        if self.loss_group is not None:
-            dist.all_reduce(total, group=self.loss_group)
-        return (total / tokens).float()
+        return total
 
     def _pipeline_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
                                    multiplier: torch.Tensor) -> torch.Tensor:
