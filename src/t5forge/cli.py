@@ -150,8 +150,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             raise ConfigError(f"run one suite ({', '.join(BENCH_SUITES)}) at a time, or benchmark names only")
         command = "t5forge bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else args.names)
-        run_named_benchmarks(args.names, args.output_dir, args.work_dir, steps=args.steps, baseline=args.baseline,
-                             command=command, profile=args.profile)
+        names = [item for item in args.names if "=" not in item]
+        overrides = [item for item in args.names if "=" in item]
+        run_named_benchmarks(names, args.output_dir, args.work_dir, steps=args.steps, baseline=args.baseline,
+                             command=command, profile=args.profile, overrides=overrides)
         print((Path(args.output_dir) / "named.md").read_text())
         print(f"wrote {args.output_dir}/named.json, named.md and named.png")
         return 0
@@ -352,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",
                        help="benchmark names such as t5v11_nl4_nah4_hs256_ffn1024_FP32_mb4_gb4_seq512_1n1g (grammar: "
-                            "src/t5forge/bench/names.py; training throughput, optionally against transformers), or "
+                            "src/t5forge/bench/names.py; training throughput, optionally against transformers; train.KEY=VALUE "
+                            "arguments set options of the t5forge side, e.g. train.fused_loss=false), or "
                             "one suite: data: preprocessing, loader, loader vs training step; "
                             "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
                             "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "

@@ -57,6 +57,9 @@ class TrainConfig:
     resume: str = "auto"  # auto | never | a checkpoint directory
     export_hf: bool = True  # write RUN_DIR/hf at the end
     compile: bool = False  # torch.compile every block (first step logs the compile time)
+    # Speed-ups that round differently from transformers (each measured in benchmarks/README.md):
+    fused_loss: bool = True  # LM head + cross-entropy in token chunks: no [tokens, vocab] fp32 logits
+    fused_gelu: bool = True  # PyTorch's fused tanh-GELU kernel instead of HF's op-by-op formula
     comm_audit: bool = False  # audit the collectives of one step (the 2nd): table in the log, comm_audit.json
 
 

@@ -103,13 +103,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_config(bench: BenchName, config: Path, output: Path):
+def check_train_overrides(overrides: list[str]) -> None:
+    """`key=value` arguments of a named benchmark set t5forge's `train.*` options (fused_loss, fused_gelu,
+    compile, ...); everything else the name fixes."""
+    for item in overrides:
+        if not item.startswith("train.") or "=" not in item:
+            raise ConfigError(f"bench override {item!r}: only train.KEY=VALUE options of the t5forge side can be set "
+                              "next to a benchmark name (the name fixes the model, batch, precision and layout)")
+
+
+def _run_config(bench: BenchName, config: Path, output: Path, overrides: list[str] = ()):
     from t5forge.config import load_config
 
     # The architecture comes from the name (every field overridden); the preset only supplies the rest
     # (relative attention buckets, norm epsilon, special token ids), which all presets share.
     return load_config(config, [*run_overrides(bench), f"train.output_dir={output}", "train.max_steps=1000",
-                                "model.preset=t5-small"])
+                                "model.preset=t5-small", *overrides])
 
 
 def _token_ids_below(trainer) -> int:
@@ -117,18 +126,18 @@ def _token_ids_below(trainer) -> int:
     return min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size)
 
 
-def _build_trainer(bench: BenchName, config: Path, output: Path):
+def _build_trainer(bench: BenchName, config: Path, output: Path, overrides: list[str] = ()):
     from t5forge.train.trainer import Trainer
 
-    return Trainer(_run_config(bench, config, output), echo=lambda *_: None)
+    return Trainer(_run_config(bench, config, output, overrides), echo=lambda *_: None)
 
 
 def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
-            profile_trace: Path | None = None) -> dict:
+            profile_trace: Path | None = None, overrides: list[str] = ()) -> dict:
     """Alternate t5forge's and (with a baseline) transformers' steps in this process; times and losses."""
     from t5forge.train.metrics import peak_flops, training_flops_per_sample
 
-    trainer = _build_trainer(bench, config, work / f"run-{bench.name}")
+    trainer = _build_trainer(bench, config, work / f"run-{bench.name}", overrides)
     device, accumulation = trainer.device, trainer.accumulation
     vocab = _token_ids_below(trainer)
     batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation)
@@ -248,7 +257,7 @@ def profile_step(trainer, make_batches, trace: Path) -> dict:
             "collectives": {name: seconds / step_s for name, seconds in collectives.items()}}
 
 
-def memory_child(name: str, side: str, config: str, work: str, out: str) -> None:
+def memory_child(name: str, side: str, config: str, work: str, out: str, *overrides: str) -> None:
     """In a fresh process, one implementation alone: the peak resident memory of its training steps
     (weights, gradients, optimizer state, activations) above what the process held before the model
     was built. The peak is reset (Linux clear_refs) after building, so construction transients do not
@@ -256,7 +265,7 @@ def memory_child(name: str, side: str, config: str, work: str, out: str) -> None
     bench = parse_bench_name(name)
     before = _memory_mib("VmRSS")
     if side == "t5forge":
-        trainer = _build_trainer(bench, Path(config), Path(work) / f"memory-{bench.name}")
+        trainer = _build_trainer(bench, Path(config), Path(work) / f"memory-{bench.name}", list(overrides))
         step, vocab, accumulation = trainer.train_step, _token_ids_below(trainer), trainer.accumulation
     else:  # transformers' model of the same shape (random weights: memory does not depend on them)
         from t5forge.config import batch_arithmetic
@@ -284,11 +293,11 @@ def _memory_mib(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _cpu_peak(name: str, side: str, config: Path, work: Path) -> float:
+def _cpu_peak(name: str, side: str, config: Path, work: Path, overrides: list[str] = ()) -> float:
     with tempfile.TemporaryDirectory(dir=work) as scratch:
         out = Path(scratch) / "memory.json"
         job = subprocess.run([sys.executable, "-m", "t5forge.bench.training", "memory", name, side, str(config),
-                              str(work), str(out)], capture_output=True, text=True)
+                              str(work), str(out), *overrides], capture_output=True, text=True)
         if job.returncode != 0:
             raise RuntimeError(f"memory measurement of {side} for {name} failed:\n{job.stderr[-3000:]}")
         return json.loads(out.read_text())["peak_memory_mib"]
@@ -296,13 +305,14 @@ def _cpu_peak(name: str, side: str, config: Path, work: Path) -> float:
 
 def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_dir: str | os.PathLike,
                          steps: int = 5, baseline: str | None = None, command: str = "",
-                         profile: bool = False) -> dict:
+                         profile: bool = False, overrides: list[str] = ()) -> dict:
     from t5forge.bench.data import _machine, prepare_training_data
     from t5forge.fileio import write_text_atomic
 
     benches = [parse_bench_name(n) for n in names]  # every name checked before anything runs
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    check_train_overrides(list(overrides))
     for bench in benches:
         if bench.processes != 1:
             raise ConfigError(f"benchmark name {bench.name!r} asks for {bench.processes} processes; this version "
@@ -316,10 +326,10 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
     entries = {}
     for bench in benches:
         trace = Path(output_dir) / f"{bench.name}.trace.json" if profile else None
-        entry = measure(bench, config, work, steps, baseline, trace)
+        entry = measure(bench, config, work, steps, baseline, trace, overrides)
         if entry["device"] == "cpu":
             for side in entry["results"]:
-                entry["results"][side]["peak_memory_mib"] = _cpu_peak(bench.name, side, config, work)
+                entry["results"][side]["peak_memory_mib"] = _cpu_peak(bench.name, side, config, work, overrides)
         if baseline is not None:
             ours, theirs = entry["results"]["t5forge"], entry["results"][baseline]
             entry["ratio_samples_per_s"] = ours["samples_per_s"] / theirs["samples_per_s"]
@@ -334,7 +344,7 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
         hf_version = None
     result = {"machine": _machine(), "transformers": hf_version,
               "date": time.strftime("%Y-%m-%d"), "command": command, "steps": steps, "warmup_steps": WARMUP,
-              "baseline": baseline, "benchmarks": entries}
+              "baseline": baseline, "overrides": list(overrides), "benchmarks": entries}
     out = Path(output_dir)
     write_text_atomic(out / "named.json", json.dumps(result, indent=1) + "\n")
     write_text_atomic(out / "named.md", render_markdown(result))
@@ -403,4 +413,4 @@ def _plot(r: dict, path: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "memory":
         with contextlib.suppress(BrokenPipeError):
-            memory_child(*sys.argv[2:7])
+            memory_child(*sys.argv[2:])

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from t5forge.errors import ConfigError
+from t5forge.models.loss import linear_cross_entropy_sum
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 
@@ -37,12 +38,18 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def gelu_pytorch_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The same tanh-approximated GELU in one fused kernel (forward and backward): 2.8 instead of 13.7 ms
+    forward + backward at [4, 512, 1024] on a 2-core CPU."""
+    return F.gelu(x, approximate="tanh")
+
+
 # Activation names as HF's ACT2FN spells them.
 _ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_new": gelu_new,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": gelu_pytorch_tanh,
     "silu": F.silu,
     "swish": F.silu,
 }
@@ -393,6 +400,14 @@ class T5Stack(nn.Module):
         return self.dropout(self.final_layer_norm(hidden_states))
 
 
+def use_fused_gelu(model: nn.Module) -> None:
+    """Run every feed-forward's `gelu_new` as `gelu_pytorch_tanh`: the same function, rounded differently
+    (transformers keeps the op-by-op form for gated-gelu checkpoints), several times faster."""
+    for module in model.modules():
+        if isinstance(module, (T5DenseActDense, T5DenseGatedActDense)) and module.act is gelu_new:
+            module.act = gelu_pytorch_tanh
+
+
 def stacks(model: nn.Module) -> list[T5Stack]:
     """The encoder and the decoder of a model, or those of them that a pipeline stage holds."""
     return [stack for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)) if stack is not None]
@@ -409,10 +424,11 @@ def named_blocks(stack: T5Stack) -> list[tuple[int, nn.Module]]:
 
 @dataclass
 class Seq2SeqLMOutput:
-    """Batch-first outputs. `loss` is the mean cross-entropy over labels != -100."""
+    """Batch-first outputs. `loss` is the mean cross-entropy over labels != -100, `loss_sum` their sum."""
 
-    logits: torch.Tensor  # [batch, target_len, vocab]
+    logits: torch.Tensor | None  # [batch, target_len, vocab]; None when the loss was fused with the head
     loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
     encoder_last_hidden_state: torch.Tensor | None = None  # [batch, source_len, d_model]
 
 
@@ -493,13 +509,24 @@ class T5ForConditionalGeneration(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """decoder_input_ids [batch, target_len] -> logits [batch, target_len, vocab]."""
+        return self.lm_head(self.decoder_output(decoder_input_ids, encoder_hidden_states, attention_mask,
+                                                decoder_attention_mask))
+
+    def decoder_output(
+        self,
+        decoder_input_ids: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the LM head projects: decoder states [batch, target_len, d_model]."""
         hidden_states = self.decoder(
             self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask
         )
         if self.config.scale_decoder_outputs:
             # Mesh TF rescales before projecting with the (tied) embedding matrix.
             hidden_states = hidden_states * (self.config.d_model**-0.5)
-        return self.lm_head(hidden_states)
+        return hidden_states
 
     def forward(
         self,
@@ -508,20 +535,33 @@ class T5ForConditionalGeneration(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> Seq2SeqLMOutput:
         """input_ids [batch, source_len]; labels [batch, target_len] with -100 for ignored positions.
-        Without decoder_input_ids, they are labels shifted right."""
+        Without decoder_input_ids, they are labels shifted right. `return_logits=False` (with labels, for
+        training) fuses the head with the loss (models/loss.py): equal up to float rounding, and the logits
+        of the whole batch never exist."""
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("pass decoder_input_ids or labels (decoder inputs are derived from labels)")
             decoder_input_ids = self.shift_right(labels)
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False returns only the loss: pass labels")
         encoder_hidden_states = self.encode(input_ids, attention_mask)
-        logits = self.decode(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask)
-        loss = None
+        hidden_states = self.decoder_output(decoder_input_ids, encoder_hidden_states, attention_mask,
+                                            decoder_attention_mask)
+        logits = loss = loss_sum = None
+        if return_logits:
+            logits = self.lm_head(hidden_states)
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                                   ignore_index=-100)
-        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_hidden_states)
+            if return_logits:
+                loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+            else:
+                loss_sum = linear_cross_entropy_sum(hidden_states, self.lm_head.weight, labels)
+            loss = loss_sum / (labels != -100).sum()
+        return Seq2SeqLMOutput(logits=logits, loss=loss, loss_sum=loss_sum,
+                               encoder_last_hidden_state=encoder_hidden_states)
 
     # -- HF checkpoints (implemented in t5forge.models.hf) ---------------------------------------------
     @classmethod

@@ -31,10 +31,12 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 def apply_compile(model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:
     """torch.compile every encoder and decoder block (TorchTitan's per-block compile: small graphs that
-    compile once and are reused by every layer of the same shape)."""
+    compile once and are reused by every layer of the same shape). `Module.compile` compiles in place:
+    wrapping in torch.compile's module would add `_orig_mod.` to every parameter name, and HF export,
+    checkpoints and the init plan go by name."""
     for stack in stacks(model):
-        for i, block in named_blocks(stack):
-            stack.block[str(i) if isinstance(stack.block, nn.ModuleDict) else i] = torch.compile(block)
+        for _, block in named_blocks(stack):
+            block.compile()
     return model
 
 

@@ -38,7 +38,7 @@ from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import HFTensorReader
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
-from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_gelu
 from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, mesh_dims, record_to_dict
 from t5forge.parallel.comm_model import Layout, Shapes, check_covered, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
@@ -135,6 +135,8 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     check_fits(per_rank * 2**30, mesh.device, f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
+    if run.train.fused_gelu:
+        use_fused_gelu(model)
     plan = named_init_plan(model)  # of the whole model: every rank draws the same stream
     if p.pp > 1:
         prune_to_stages(model, rank_stages(stage_specs(pp_layers, config), p.pp, mesh.pp_rank))
@@ -480,13 +482,21 @@ class Trainer:
             self._phase("forward")
             with autocast(self.device, self.run.precision.dtype), \
                     (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
-                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    decoder_input_ids=self.model.shift_right(batch["labels"])).logits
-                loss_sum = token_loss_sum(logits, batch["labels"])
+                loss_sum = self._loss_sum(batch)
                 self._phase("backward")
                 (loss_sum * multiplier).backward()
             total += scalar(loss_sum.detach()).double()
         return total
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The summed token loss of one micro-batch: fused with the LM head (train.fused_loss), or from the
+        logits, which a vocab-parallel head (tp > 1) keeps sharded for `loss_parallel`."""
+        if self.run.train.fused_loss and self.mesh.tp_size == 1:
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              labels=batch["labels"], return_logits=False).loss_sum
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            decoder_input_ids=self.model.shift_right(batch["labels"])).logits
+        return token_loss_sum(logits, batch["labels"])
 
     def _pipeline_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
                                    multiplier: torch.Tensor) -> torch.Tensor:
