@@ -354,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",
                        help="benchmark names such as t5v11_nl4_nah4_hs256_ffn1024_FP32_mb4_gb4_seq512_1n1g (grammar: "
-                            "src/t5forge/bench/names.py; training throughput, optionally against transformers; train.KEY=VALUE "
-                            "arguments set options of the t5forge side, e.g. train.fused_loss=false), or "
+                            "src/t5forge/bench/names.py; training throughput, optionally against transformers; "
+                            "train.KEY=VALUE arguments set options of the t5forge side, e.g. "
+                            "train.fused_loss=false), or "
                             "one suite: data: preprocessing, loader, loader vs training step; "
                             "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
                             "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "

@@ -247,14 +247,15 @@ class StageModule(nn.Module):
 
     forward(*received, attention_mask, labels): the received activations (see `boundary_shapes`; token
     ids for the first stage), the micro-batch's masks and labels (every stage gets them). The last stage
-    hands the logits and labels to `on_logits` (set by the trainer: the loss) and returns its result."""
+    hands the head's input, the head and the labels to `on_output` (set by the trainer: the loss, which may
+    fuse the head with the cross-entropy) and returns its result."""
 
     def __init__(self, part: T5ForConditionalGeneration, spec: StageSpec, tp_mesh=None):
         super().__init__()
         self._part = (part,)  # not a submodule: the parameters belong to the rank's one part
         self.spec = spec
         self.tp_mesh = tp_mesh
-        self.on_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.on_output: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def _run(self, stack, indices: range, hidden: torch.Tensor, mask, encoder_states=None, cross_bias=None):
         blocks = dict(named_blocks(stack))
@@ -305,7 +306,7 @@ class StageModule(nn.Module):
         hidden = stack.dropout(stack.final_layer_norm(hidden))
         if part.config.scale_decoder_outputs:
             hidden = hidden * (part.config.d_model**-0.5)
-        return self.on_logits(part.lm_head(hidden), labels)
+        return self.on_output(hidden, part.lm_head, labels)
 
 
 # -- parameters shared by stages ---------------------------------------------------------------------------
@@ -375,7 +376,7 @@ class Pipeline:
             received = [_meta(shape, torch.long if spec.start == 0 else torch.float32)
                         for shape in boundary_shapes(spec, micro_batch_size, *self.shape)]
             if spec.is_last:
-                sent = [_meta((1,), torch.float64)]  # the scaled loss (trainer's on_logits)
+                sent = [_meta((1,), torch.float64)]  # the scaled loss (trainer's on_output)
             else:
                 sent = [_meta(shape, torch.float32)
                         for shape in boundary_shapes(self.specs[spec.index + 1], micro_batch_size, *self.shape)]
@@ -389,9 +390,9 @@ class Pipeline:
             single = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
             self.schedule = single(self.stages[0], microbatches, loss_fn=loss, scale_grads=False)
 
-    def set_on_logits(self, fn) -> None:
+    def set_on_output(self, fn) -> None:
         for module in self.modules:
-            module.on_logits = fn
+            module.on_output = fn
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
         """Forward and backward of every micro-batch of `batch` (this dp rank's share of a global batch,

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -36,6 +37,7 @@ from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import HFTensorReader
+from t5forge.models.loss import linear_cross_entropy_sum
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_gelu
@@ -193,9 +195,12 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, correct: read once, at the end
     if pipeline is not None:
-        pipeline.set_on_logits(lambda logits, labels: torch.stack([
-            scalar(token_loss_sum(logits, labels)).double(), (labels != -100).sum().double(),
-            correct_predictions(logits, labels).double()]))
+        def on_output(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+            logits = lm_head(hidden)
+            return torch.stack([scalar(token_loss_sum(logits, labels)).double(), (labels != -100).sum().double(),
+                                correct_predictions(logits, labels).double()])
+
+        pipeline.set_on_output(on_output)
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast(device, precision), (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
@@ -506,12 +511,15 @@ class Trainer:
                  for k in ("input_ids", "attention_mask", "labels")}
         sums: list[torch.Tensor] = []
 
-        def on_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss_sum = token_loss_sum(logits, labels)
+        def on_output(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+            if self.run.train.fused_loss and self.mesh.tp_size == 1:
+                loss_sum = linear_cross_entropy_sum(hidden, lm_head.weight, labels)
+            else:
+                loss_sum = token_loss_sum(lm_head(hidden), labels)
             sums.append(scalar(loss_sum.detach()).double())
             return scalar(loss_sum * multiplier).reshape(1)
 
-        self.pipeline.set_on_logits(on_logits)
+        self.pipeline.set_on_output(on_output)
         self._phase("pipeline")
         self.grad_sync.sync = False  # reduced once, after the schedule: every micro-batch's gradients are in
         with autocast(self.device, self.run.precision.dtype), \
