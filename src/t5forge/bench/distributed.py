@@ -17,10 +17,11 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from t5forge.bench.launch import torchrun
 
 LAYOUTS = {  # name: (processes, overrides)
     "single process": (1, []),
@@ -147,13 +148,8 @@ def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
 def _launch(module_args: list[str], processes: int, work: Path, name: str) -> list[dict]:
     """One torchrun launch of this module's worker; returns the ranks' reports."""
     with tempfile.TemporaryDirectory(dir=work) as out:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-                   "-m", "t5forge.bench.distributed", module_args[0], module_args[1], out, *module_args[2:]]
-        command = [c.replace("OUT", out) for c in command]
-        env = {**os.environ, "TMPDIR": out, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"layout {name!r} failed:\n{done.stderr[-3000:]}")
+        args = [module_args[0], module_args[1], out, *(a.replace("OUT", out) for a in module_args[2:])]
+        torchrun("t5forge.bench.distributed", args, processes, Path(out), f"layout {name!r}")
         return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
 
 

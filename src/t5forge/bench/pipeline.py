@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from t5forge.bench.launch import torchrun
 from t5forge.config import PP_SCHEDULES
 
 # 4 + 4 equal blocks (pp4: one block per stage; interleaved pp2 x 2 and pp4 x 2 keep whole blocks), the head
@@ -108,12 +108,8 @@ def run_pipeline_benchmark(output_dir: str | os.PathLike, work_dir: str | os.Pat
                   for s in schedules for m in counts]
         with tempfile.TemporaryDirectory(dir=work) as scratch:
             out = Path(scratch) / "cases.json"
-            env = {**os.environ, "TMPDIR": scratch, "OMP_NUM_THREADS": "1"}
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
-                       "-m", "t5forge.bench.pipeline", str(config), str(out), json.dumps(launch)]
-            job = subprocess.run(command, capture_output=True, text=True, env=env)
-            if job.returncode != 0:
-                raise RuntimeError(f"pipeline benchmark at pp={pp} failed:\n{job.stderr[-4000:]}")
+            torchrun("t5forge.bench.pipeline", [str(config), str(out), json.dumps(launch)], pp, Path(scratch),
+                     f"pipeline benchmark at pp={pp}")
             cases += json.loads(out.read_text())
     for case in cases:
         v = 2 if case["schedule"] == "interleaved_1f1b" else 1

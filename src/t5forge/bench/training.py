@@ -3,17 +3,23 @@ named runs (names: bench/names.py), optionally next to transformers' own T5 in t
 with `--profile` one more step under torch.profiler: the share of each phase and collective type, and a
 Chrome/Perfetto trace.
 
-One process per name here (nodes x devices = 1): t5forge's `Trainer.train_step` on synthetic batches of
-the name's shape (random token ids, S input and T target tokens, every position real), and with
-`--baseline hf` transformers' `T5ForConditionalGeneration` (MT5 / UMT5 for those families) loaded from
-the same weights, stepped with the same optimizer (t5forge's AdamW groups, fused), the same clipping and
-precision, on the same batches. Steps alternate (t5forge, transformers, t5forge, ...) so that both see
-the same machine state; after warm-up steps, each side's mean step time gives samples/s, tokens/s,
-TFLOP/s and MFU (one FLOP formula: train/metrics.py), and the ratio.
+t5forge's `Trainer.train_step` on synthetic batches of the name's shape (random token ids, S input and T
+target tokens, every position real), and with `--baseline hf` transformers' `T5ForConditionalGeneration`
+(MT5 / UMT5 for those families) loaded from the same weights, stepped with the same optimizer (t5forge's
+AdamW groups, fused), the same clipping and precision, on the same batches. Steps alternate (t5forge,
+transformers, t5forge, ...) so that both see the same machine state; after warm-up steps, each side's
+mean step time gives samples/s, tokens/s, TFLOP/s and MFU (one FLOP formula: train/metrics.py), and the
+ratio.
 
-Peak memory: on a GPU, the allocator's peak of each side's steps (reset before each). A CPU has no
-allocator statistics: each side then runs alone in a child process, and its peak is the process's
-peak resident memory above what it held before building the model."""
+A name of one process runs in this process. A name of N = nodes x devices processes runs as one torchrun
+job of N ranks on this machine (CPU processes without GPUs), each rank on its data-parallel rank's batches;
+the step time is the slowest rank's. The baseline there is transformers under torch's
+DistributedDataParallel, for the layouts that it can run (data parallel only: transformers has no tensor or
+pipeline parallelism, so names with mp or pp > 1 get no baseline, which the results say).
+
+Peak memory: on a GPU, the allocator's peak of each side's steps (reset before each), per rank. A CPU has
+no allocator statistics: each side then runs alone in child processes (one job of N ranks), and each
+rank's peak is the process's peak resident memory above what it held before building the model."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from t5forge.bench.launch import torchrun
 from t5forge.bench.names import BenchName, parse_bench_name, run_overrides
 from t5forge.errors import ConfigError
 
@@ -55,27 +62,45 @@ def synthetic_batches(bench: BenchName, vocab: int, steps: int, accumulation: in
     return [[batch() for _ in range(accumulation)] for _ in range(steps)]
 
 
+def has_hf_counterpart(bench: BenchName) -> bool:
+    """transformers runs data-parallel layouts only (one process, or DDP): no tensor or pipeline parallelism."""
+    return bench.tp == 1 and bench.pp == 1 and not bench.sequence_parallel
+
+
 def hf_model_like(model, device: torch.device):
-    """transformers' model of the same family holding the same weights (saved and loaded the HF way)."""
+    """transformers' model of the same family holding the same weights (saved and loaded the HF way). `model`
+    may be any data-parallel layout of t5forge's (ZeRO-3 shards are gathered: every rank must call this)."""
     import transformers
 
+    from t5forge.models.t5 import T5ForConditionalGeneration
+    from t5forge.parallel.parallelize import full_parameters
+
+    full = T5ForConditionalGeneration(model.config)
+    missing, unexpected = full.load_state_dict(dict(full_parameters(model)), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()):
+        raise RuntimeError(f"gathered weights do not match the model: missing {missing}, unexpected {unexpected}")
     classes = {"t5": transformers.T5ForConditionalGeneration, "mt5": transformers.MT5ForConditionalGeneration,
                "umt5": transformers.UMT5ForConditionalGeneration}
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
+        full.save_pretrained(tmp)
         hf = classes[model.config.model_type].from_pretrained(tmp, dtype=torch.float32)
     return hf.to(device).train()
 
 
 class HFStep:
     """A transformers training step as its users write it: mean loss per micro-batch / accumulation,
-    backward, clip, AdamW (t5forge's parameter groups, fused), GradScaler for fp16."""
+    backward (under DistributedDataParallel with `data_parallel`, gradients synchronised on the last
+    micro-batch only), clip, AdamW (t5forge's parameter groups, fused), GradScaler for fp16. Returns this
+    rank's loss."""
 
-    def __init__(self, model, run, device: torch.device):
+    def __init__(self, model, run, device: torch.device, data_parallel: bool = False):
+        from torch.nn.parallel import DistributedDataParallel
+
         from t5forge.train.optim import build_optimizer
 
-        self.model, self.device, self.precision = model, device, run.precision.dtype
-        self.optimizer = build_optimizer(model, run.optim)
+        self.device, self.precision = device, run.precision.dtype
+        self.optimizer = build_optimizer(model, run.optim)  # before wrapping: the groups go by HF's names
+        self.model = DistributedDataParallel(model) if data_parallel else model
         self.clip = run.optim.clip_grad_norm
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
 
@@ -83,11 +108,14 @@ class HFStep:
         from t5forge.train.trainer import autocast
 
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            with autocast(self.device, self.precision):
+            last = i == len(micro_batches) - 1
+            no_sync = getattr(self.model, "no_sync", None)
+            with (contextlib.nullcontext() if last or no_sync is None else no_sync()), \
+                    autocast(self.device, self.precision):
                 loss = self.model(**batch).loss / len(micro_batches)
-            self.scaler.scale(loss).backward()
+                self.scaler.scale(loss).backward()
             total += loss.detach().float()
         self.scaler.unscale_(self.optimizer)
         if self.clip > 0:
@@ -134,16 +162,20 @@ def _build_trainer(bench: BenchName, config: Path, output: Path, overrides: list
 
 def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
             profile_trace: Path | None = None, overrides: list[str] = ()) -> dict:
-    """Alternate t5forge's and (with a baseline) transformers' steps in this process; times and losses."""
+    """Alternate t5forge's and (with a baseline) transformers' steps in this process, one rank of the name's
+    layout; every rank returns the same times (the slowest rank's), losses and per-rank GPU peaks."""
+    import torch.distributed as dist
+
     from t5forge.train.metrics import peak_flops, training_flops_per_sample
 
     trainer = _build_trainer(bench, config, work / f"run-{bench.name}", overrides)
-    device, accumulation = trainer.device, trainer.accumulation
+    device, accumulation, dp_rank = trainer.device, trainer.accumulation, trainer.mesh.dp_rank
+    world, rank = dist.get_world_size(), dist.get_rank()  # the trainer's group: private when alone
     vocab = _token_ids_below(trainer)
-    batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation)
+    batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation, seed=dp_rank)
     sides = {"t5forge": trainer.train_step}
-    if baseline == "hf":
-        sides["hf"] = HFStep(hf_model_like(trainer.model, device), trainer.run, device)
+    if baseline == "hf" and has_hf_counterpart(bench):
+        sides["hf"] = HFStep(hf_model_like(trainer.model, device), trainer.run, device, data_parallel=world > 1)
     times = {name: [] for name in sides}
     losses = {name: [] for name in sides}
     peaks = {name: 0.0 for name in sides}
@@ -161,6 +193,19 @@ def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: st
                 times[name].append(elapsed)
                 if device.type == "cuda":
                     peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) / 2**20)
+    peak_by_rank = {name: [peaks[name]] for name in sides}
+    if world > 1:  # after the timed steps: the slowest rank's times, the mean of the ranks' HF losses
+        for name in sides:
+            slowest = torch.tensor(times[name], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[name] = slowest.tolist()
+            if name != "t5forge":  # t5forge's step already returns the loss of the global batch
+                mean = torch.tensor(losses[name], dtype=torch.float64, device=device)
+                dist.all_reduce(mean)
+                losses[name] = (mean / world).tolist()
+            gathered = [None] * world
+            dist.all_gather_object(gathered, peaks[name])
+            peak_by_rank[name] = gathered
     flops = training_flops_per_sample(trainer.model_config, bench.inputs_length, bench.target_tokens())
     peak, source = peak_flops(device, {"fp32": torch.float32, "bf16": torch.bfloat16,
                                        "fp16": torch.float16}[bench.precision])
@@ -170,15 +215,56 @@ def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: st
         samples = bench.global_batch_size / step_s
         results[name] = {"step_s": step_s, "samples_per_s": samples,
                          "tokens_per_s": samples * (bench.inputs_length + bench.target_tokens()),
-                         "tflops": samples * flops / 1e12, "mfu": samples * flops / peak, "losses": losses[name],
-                         "peak_memory_mib": peaks[name] if device.type == "cuda" else None}
+                         "tflops": samples * flops / 1e12, "mfu": samples * flops / (peak * world),
+                         "losses": losses[name],
+                         "peak_memory_mib": max(peak_by_rank[name]) if device.type == "cuda" else None,
+                         "peak_memory_mib_per_rank": peak_by_rank[name] if device.type == "cuda" else None}
     profiled = None
     if profile_trace is not None:  # after the timed steps: profiling does not slow them
-        profiled = profile_step(trainer, lambda: synthetic_batches(bench, vocab, 1, accumulation, seed=1)[0],
-                                profile_trace)
+        if rank > 0:  # every rank steps (the collectives are shared); rank 0's shares are reported
+            profile_trace = profile_trace.with_name(f"{bench.name}.rank{rank}.trace.json")
+        profiled = profile_step(trainer, lambda: synthetic_batches(bench, vocab, 1, accumulation,
+                                                                   seed=1000 + dp_rank)[0], profile_trace)
     trainer.close()
-    return {"device": str(device), "peak_flops": peak, "peak_source": source, "results": results,
-            **({"profile": profiled} if profiled else {})}
+    entry = {"device": str(device), "processes": world, "peak_flops": peak, "peak_source": source,
+             "results": results, **({"profile": profiled} if profiled else {})}
+    if baseline is not None and not has_hf_counterpart(bench):
+        entry["baseline_note"] = (f"transformers has no tensor or pipeline parallelism: no {baseline} baseline for "
+                                  f"mp{bench.tp} x pp{bench.pp}" + (" with sequence parallel" if bench.sequence_parallel
+                                                                     else ""))
+    return entry
+
+
+def worker(name: str, config: str, work: str, out: str, steps: str, baseline: str, trace: str,
+           *overrides: str) -> None:
+    """Under torchrun: this rank's part of `measure`; rank 0 writes the entry to `out` (JSON)."""
+    import torch.distributed as dist
+
+    try:
+        entry = measure(parse_bench_name(name), Path(config), Path(work), int(steps),
+                        None if baseline == "-" else baseline, None if trace == "-" else Path(trace), list(overrides))
+    except ConfigError as e:  # bad input: the launching process reports it (exit code 2), not a traceback
+        entry = {"config_error": str(e)}
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps(entry))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _measure_in_processes(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
+                          trace: Path | None, overrides: list[str]) -> dict:
+    """`measure` in this process (one-process names) or in a torchrun job of the name's process count."""
+    if bench.processes == 1:
+        return measure(bench, config, work, steps, baseline, trace, overrides)
+    with tempfile.TemporaryDirectory(dir=work) as scratch:
+        out = Path(scratch) / "entry.json"
+        args = ["worker", bench.name, str(config), str(work), str(out), str(steps), baseline or "-",
+                str(trace.resolve()) if trace else "-", *overrides]
+        torchrun("t5forge.bench.training", args, bench.processes, Path(scratch), f"benchmark {bench.name}")
+        entry = json.loads(out.read_text())
+    if "config_error" in entry:
+        raise ConfigError(entry["config_error"])
+    return entry
 
 
 class PhaseRanges:
@@ -261,7 +347,9 @@ def memory_child(name: str, side: str, config: str, work: str, out: str, *overri
     """In a fresh process, one implementation alone: the peak resident memory of its training steps
     (weights, gradients, optimizer state, activations) above what the process held before the model
     was built. The peak is reset (Linux clear_refs) after building, so construction transients do not
-    count."""
+    count. Under torchrun, every rank measures itself and writes OUT.rank<R>."""
+    import torch.distributed as dist
+
     bench = parse_bench_name(name)
     before = _memory_mib("VmRSS")
     if side == "t5forge":
@@ -274,15 +362,20 @@ def memory_child(name: str, side: str, config: str, work: str, out: str, *overri
 
         run = _run_config(bench, Path(config), Path(work))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if bench.processes > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         model = hf_model_like(T5ForConditionalGeneration(build_model_config(run)), device)
-        step = HFStep(model, run, device)
+        step = HFStep(model, run, device, data_parallel=bench.processes > 1)
         vocab = model.config.vocab_size  # (the ids do not change the memory)
         accumulation = batch_arithmetic(run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)[1]
-    batches = synthetic_batches(bench, vocab, 2, accumulation)
+    rank = int(os.environ.get("RANK", "0"))
+    batches = synthetic_batches(bench, vocab, 2, accumulation, seed=rank)
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
     for micro_batches in batches:
         float(step(micro_batches))
-    Path(out).write_text(json.dumps({"peak_memory_mib": _memory_mib("VmHWM") - before}))
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"peak_memory_mib": _memory_mib("VmHWM") - before}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _memory_mib(field: str) -> float:
@@ -293,14 +386,20 @@ def _memory_mib(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _cpu_peak(name: str, side: str, config: Path, work: Path, overrides: list[str] = ()) -> float:
+def _cpu_peaks(bench: BenchName, side: str, config: Path, work: Path, overrides: list[str] = ()) -> list[float]:
+    """Each rank's peak resident memory (MiB) of `side` alone, in fresh processes (see memory_child)."""
     with tempfile.TemporaryDirectory(dir=work) as scratch:
         out = Path(scratch) / "memory.json"
-        job = subprocess.run([sys.executable, "-m", "t5forge.bench.training", "memory", name, side, str(config),
-                              str(work), str(out), *overrides], capture_output=True, text=True)
-        if job.returncode != 0:
-            raise RuntimeError(f"memory measurement of {side} for {name} failed:\n{job.stderr[-3000:]}")
-        return json.loads(out.read_text())["peak_memory_mib"]
+        args = ["memory", bench.name, side, str(config), str(work), str(out), *overrides]
+        what = f"memory measurement of {side} for {bench.name}"
+        if bench.processes > 1:
+            torchrun("t5forge.bench.training", args, bench.processes, Path(scratch), what)
+        else:
+            job = subprocess.run([sys.executable, "-m", "t5forge.bench.training", *args], capture_output=True,
+                                 text=True)
+            if job.returncode != 0:
+                raise RuntimeError(f"{what} failed:\n{job.stderr[-3000:]}")
+        return [json.loads(Path(f"{out}.rank{r}").read_text())["peak_memory_mib"] for r in range(bench.processes)]
 
 
 def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_dir: str | os.PathLike,
@@ -313,11 +412,12 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     check_train_overrides(list(overrides))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
     for bench in benches:
-        if bench.processes != 1:
-            raise ConfigError(f"benchmark name {bench.name!r} asks for {bench.processes} processes; this version "
-                              "runs named benchmarks in one process (1n1g); use `t5forge bench distributed` or "
-                              "`comm` for multi-process layouts")
+        if gpus is not None and bench.processes > gpus:
+            raise ConfigError(f"benchmark name {bench.name!r} asks for {bench.processes} GPUs ({bench.nodes}n"
+                              f"{bench.devices}g) and this machine has {gpus}; `t5forge bench` launches every process "
+                              "here: use a name that fits this machine")
     if baseline is not None:
         check_baseline_available()
     work, prefix, tokenizer = prepare_training_data(work_dir)
@@ -326,11 +426,12 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
     entries = {}
     for bench in benches:
         trace = Path(output_dir) / f"{bench.name}.trace.json" if profile else None
-        entry = measure(bench, config, work, steps, baseline, trace, overrides)
+        entry = _measure_in_processes(bench, config, work, steps, baseline, trace, list(overrides))
         if entry["device"] == "cpu":
-            for side in entry["results"]:
-                entry["results"][side]["peak_memory_mib"] = _cpu_peak(bench.name, side, config, work, overrides)
-        if baseline is not None:
+            for side, result in entry["results"].items():
+                result["peak_memory_mib_per_rank"] = _cpu_peaks(bench, side, config, work, list(overrides))
+                result["peak_memory_mib"] = max(result["peak_memory_mib_per_rank"])
+        if baseline in entry["results"]:
             ours, theirs = entry["results"]["t5forge"], entry["results"][baseline]
             entry["ratio_samples_per_s"] = ours["samples_per_s"] / theirs["samples_per_s"]
             entry["ratio_peak_memory"] = ours["peak_memory_mib"] / theirs["peak_memory_mib"]
@@ -360,19 +461,23 @@ def render_markdown(r: dict) -> str:
              f"`{r['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers "
              f"{r['transformers']}, {r['date']}: synthetic batches, {r['warmup_steps']} warm-up steps then the mean of "
              f"{r['steps']}" + (", steps alternating with transformers' T5 on the same weights, batches and "
-                                "optimizer" if r["baseline"] else "") + ".", ""]
+                                "optimizer" if r["baseline"] else "") + "."
+             + (f" t5forge options: {' '.join(r['overrides'])}." if r.get("overrides") else ""), ""]
     rows = []
     for name, e in r["benchmarks"].items():
         for side, x in e["results"].items():
-            rows.append([name, side, f"{x['step_s'] * 1e3:.0f}", f"{x['samples_per_s']:.2f}",
-                         f"{x['tokens_per_s']:.0f}", f"{x['tflops']:.3f}", f"{100 * x['mfu']:.1f}%",
-                         f"{x['peak_memory_mib']:.0f}", f"{x['losses'][-1]:.3f}"])
-    lines += table(["name", "implementation", "step ms", "samples/s", "tokens/s", "TFLOP/s", "MFU",
-                    "peak memory MiB", "last loss"], rows)
-    if r["baseline"]:
+            per_rank = x.get("peak_memory_mib_per_rank") or [x["peak_memory_mib"]]
+            rows.append([name, side, str(e.get("processes", 1)), f"{x['step_s'] * 1e3:.0f}",
+                         f"{x['samples_per_s']:.2f}", f"{x['tokens_per_s']:.0f}", f"{x['tflops']:.3f}",
+                         f"{100 * x['mfu']:.1f}%", " / ".join(f"{v:.0f}" for v in per_rank), f"{x['losses'][-1]:.3f}"])
+    lines += table(["name", "implementation", "processes", "step ms", "samples/s", "tokens/s", "TFLOP/s", "MFU",
+                    "peak memory MiB per rank", "last loss"], rows)
+    compared = {n: e for n, e in r["benchmarks"].items() if "ratio_samples_per_s" in e}
+    if compared:
         lines += ["", *table(["name", "samples/s t5forge / transformers", "peak memory t5forge / transformers"],
                              [[n, f"{e['ratio_samples_per_s']:.2f}x", f"{e['ratio_peak_memory']:.2f}x"]
-                              for n, e in r["benchmarks"].items()])]
+                              for n, e in compared.items()])]
+    lines += [f"\n{name}: {e['baseline_note']}." for name, e in r["benchmarks"].items() if "baseline_note" in e]
     for name, e in r["benchmarks"].items():
         if "profile" in e:
             prof = e["profile"]
@@ -382,8 +487,10 @@ def render_markdown(r: dict) -> str:
                            [[k, f"{100 * v:.1f}%"] for k, v in prof["phases"].items()]
                            + [[f"collective: {k}", f"{100 * v:.1f}%"] for k, v in prof["collectives"].items()])
     lines += ["", "MFU against " + ", ".join(sorted({e["peak_source"] for e in r["benchmarks"].values()})) + ".",
-              "CPU peak memory: each implementation alone in a child process, peak resident memory above the "
-              "process's before the model was built.", ""]
+              "CPU peak memory: each implementation alone in child processes, each rank's peak resident memory "
+              "above the process's before the model was built; ratios compare the largest rank's. Several "
+              "processes share this machine's cores (OMP threads split between them); transformers runs under "
+              "DistributedDataParallel there.", ""]
     return "\n".join(lines)
 
 
@@ -393,13 +500,14 @@ def _plot(r: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     names = list(r["benchmarks"])
-    sides = list(next(iter(r["benchmarks"].values()))["results"])
+    sides = list(dict.fromkeys(side for e in r["benchmarks"].values() for side in e["results"]))
     fig = Figure(figsize=(max(4, 2 * len(names)), 3))
     ax = fig.add_subplot()
     width = 0.8 / len(sides)
     for i, side in enumerate(sides):
         ax.bar([j + i * width for j in range(len(names))],
-               [r["benchmarks"][n]["results"][side]["samples_per_s"] for n in names], width, label=side)
+               [r["benchmarks"][n]["results"].get(side, {}).get("samples_per_s", 0.0) for n in names], width,
+               label=side)
     ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(names))], names, fontsize=6)
     ax.set_ylabel("samples/s")
     ax.legend()
@@ -411,6 +519,5 @@ def _plot(r: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "memory":
-        with contextlib.suppress(BrokenPipeError):
-            memory_child(*sys.argv[2:])
+    with contextlib.suppress(BrokenPipeError):
+        {"memory": memory_child, "worker": worker}[sys.argv[1]](*sys.argv[2:])
