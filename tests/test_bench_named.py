@@ -60,8 +60,11 @@ def test_cli_refuses_a_bad_name_with_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "field 'FP99' is not a known field" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
-    assert main(["bench", "t5_nl2_nah2_hs64_FP32_mb2_gb4_1n2g", "--output", str(tmp_path)]) == 2
-    assert "asks for 2 processes" in capsys.readouterr().err
+    # key=value arguments set t5forge's train.* options only: the name fixes the rest.
+    assert main(["bench", "t5_nl2_nah2_hs64_FP32_mb2_gb4_1n2g", "model.overrides.d_model=8", "--output",
+                 str(tmp_path)]) == 2
+    assert "bench override 'model.overrides.d_model=8': only train.KEY=VALUE" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 TINY = "t5v11_nl2_nah4_hs32_ffn64_kv8_vocab2176_seq32_FP32_mb2_gb4_1n1g"
@@ -77,8 +80,10 @@ def work(corpus_file, tokenizer_dir, tmp_path):
 
 
 def test_tiny_run_without_baseline_and_its_profile(work, tmp_path):
-    run_named_benchmarks([TINY], tmp_path / "out", work, steps=2, command="test", profile=True)
+    run_named_benchmarks([TINY], tmp_path / "out", work, steps=2, command="test", profile=True,
+                         overrides=["train.fused_loss=false"])
     result = json.loads((tmp_path / "out" / "named.json").read_text())
+    assert result["overrides"] == ["train.fused_loss=false"]
     entry = result["benchmarks"][TINY]
     assert list(entry["results"]) == ["t5forge"] and "ratio_samples_per_s" not in entry
     ours = entry["results"]["t5forge"]

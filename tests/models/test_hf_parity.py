@@ -10,7 +10,7 @@ import torch
 from hf_reference import build_hf_model, load_hf_model
 
 import t5forge
-from t5forge.models.t5 import relative_position_bucket
+from t5forge.models.t5 import relative_position_bucket, use_fused_gelu
 
 TOL = 1e-5
 SMALL = dict(vocab_size=101, d_model=32, d_kv=12, d_ff=48, num_heads=4)  # d_kv != d_model / heads
@@ -71,6 +71,7 @@ def test_forward_and_gradients_match_transformers(hf_case):
     ours = t5forge.from_pretrained(path)
     batch = make_batch(ours.config.vocab_size)
 
+    hf.zero_grad(set_to_none=True)  # the model is shared by this module's tests
     ref = hf(**batch)
     out = ours(**batch)
     assert_close_per_element(out.logits, ref.logits, f"{name} logits")
@@ -85,6 +86,27 @@ def test_forward_and_gradients_match_transformers(hf_case):
     for n, p in ours_params.items():
         assert p.grad is not None, f"{name}: no gradient for {n}"
         assert_close_per_element(p.grad, ref_grads[n], f"{name} grad {n}")
+
+
+def test_training_path_fused_head_loss_and_gelu_match_transformers(hf_case):
+    """What the trainer runs by default (train.fused_loss, train.fused_gelu): the same loss and gradients,
+    per element, up to float rounding."""
+    name, hf, path = hf_case
+    ours = t5forge.from_pretrained(path)
+    use_fused_gelu(ours)
+    batch = make_batch(ours.config.vocab_size)
+    hf.zero_grad(set_to_none=True)  # the model is shared by this module's tests
+    ref = hf(**batch)
+    out = ours(**batch, return_logits=False)
+    assert out.logits is None
+    assert_close_per_element(out.loss, ref.loss, f"{name} fused loss")
+    valid = (batch["labels"] != -100).sum()
+    assert_close_per_element(out.loss_sum / valid, ref.loss, f"{name} fused loss sum / tokens")
+    ref.loss.backward()
+    out.loss.backward()
+    ref_grads = {n: p.grad for n, p in hf.named_parameters()}
+    for n, p in ours.named_parameters():
+        assert_close_per_element(p.grad, ref_grads[n], f"{name} fused grad {n}")
 
 
 def test_explicit_decoder_inputs_and_no_masks_match_transformers(hf_case):

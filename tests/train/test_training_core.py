@@ -86,6 +86,16 @@ def test_compile_without_a_compiler_is_refused(tmp_path, dataset_prefix, tokeniz
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.compile=true"))
 
 
+def test_compiled_blocks_keep_hf_parameter_names():
+    from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+    from t5forge.parallel.parallelize import apply_compile
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
+    names = [name for name, _ in model.named_parameters()]
+    apply_compile(model)  # compiles lazily: nothing runs here
+    assert [name for name, _ in model.named_parameters()] == names  # no "_orig_mod." in exports or checkpoints
+
+
 def test_compiled_blocks_train_like_eager(tmp_path, dataset_prefix, tokenizer_dir):
     args = ("train.max_steps=3", "model.dropout_rate=0")
     eager = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, name="eager"), echo=lambda *_: None,
