@@ -9,7 +9,9 @@
 5. the HF export of the resumed run, loaded by transformers, against t5forge's logits;
 6. the communication audit's recorder on the device's backend (NCCL on a GPU): an asynchronous all-reduce
    issued before a matrix product and waited for after it is seen with its bytes, and its exposed time,
-   measured with CUDA events on the compute stream, is finite and within the recorded span.
+   measured with CUDA events on the compute stream, is finite and within the recorded span;
+7. the named benchmark of t5-v1.1-base, 512 -> 114, bf16, against transformers (BASE_BENCH): samples/s,
+   MFU (target >= 45% of the data-sheet peak) and the ratio (target >= 2x), reported met or not.
 Writes OUTPUT/gpu_check.json (samples/s, tokens/s, MFU, peak memory, every check's numbers).
 
 `--cpu` runs the same steps with tiny shapes on the CPU (the test suite does, so this script cannot rot);
@@ -36,6 +38,11 @@ from t5forge.train.metrics import read_metrics
 from t5forge.train.trainer import Hook, StepInfo, Trainer, default_hooks
 
 BASE_SHAPE = ["model.preset=t5-v1_1-base"]  # 248M parameters: d_model 768, 12+12 layers, vocab 32128
+# The bench case: t5-v1.1-base (d_model 768, d_ff 2048, 12 heads of 64, 12+12 layers), 512 -> 114 tokens, bf16,
+# against transformers in the same process. Targets: MFU >= 45% of the data-sheet peak, >= 2x transformers.
+BASE_BENCH = "t5v11_nl12_nah12_hs768_ffn2048_kv64_BF16_mb32_gb32_seq512_1n1g"
+TINY_BENCH = "t5v11_nl2_nah4_hs32_ffn48_kv8_vocab2176_seq64_FP32_mb4_gb4_1n1g"
+BENCH_TARGETS = {"mfu": 0.45, "ratio_samples_per_s": 2.0}
 TINY_SHAPE = ["model.preset=t5-v1_1-small", "model.overrides.vocab_size=2176", "model.overrides.d_model=32",
               "model.overrides.d_ff=48", "model.overrides.d_kv=8", "model.overrides.num_heads=4",
               "model.overrides.num_layers=2", "model.overrides.num_decoder_layers=2"]
@@ -154,6 +161,32 @@ def check_comm_audit(device: torch.device) -> dict:
         dist.destroy_process_group()
 
 
+def check_bench(output: Path, work: Path, corpus: Path, tokenizer: Path, cpu: bool) -> dict:
+    """`t5forge bench NAME --baseline hf` at the GPU target shape; the named.{json,md,png} go to OUTPUT/bench.
+    It passes when both sides trained from the same weights (equal first losses, finite throughout); the
+    targets are reported next to it, met or not."""
+    from t5forge.bench.training import run_named_benchmarks
+
+    bench_work = work / "bench"
+    bench_work.mkdir()
+    shutil.copy(corpus, bench_work / "python-docs.txt")  # the gpu check's corpus and tokenizer, reused
+    shutil.copytree(tokenizer, bench_work / "tokenizer")
+    name, steps = (TINY_BENCH, 2) if cpu else (BASE_BENCH, 10)
+    result = run_named_benchmarks([name], output / "bench", bench_work, steps=steps, baseline="hf",
+                                  command=f"t5forge bench {name} --baseline hf --steps {steps}")
+    entry = result["benchmarks"][name]
+    ours, theirs = entry["results"]["t5forge"], entry["results"]["hf"]
+    measured = {"mfu": ours["mfu"], "ratio_samples_per_s": entry["ratio_samples_per_s"]}
+    losses = ours["losses"] + theirs["losses"]
+    return {"name": name, "samples_per_s": ours["samples_per_s"], "hf_samples_per_s": theirs["samples_per_s"],
+            **measured, "ratio_peak_memory": entry["ratio_peak_memory"], "peak_source": entry["peak_source"],
+            "peak_memory_mib": ours["peak_memory_mib"], "hf_peak_memory_mib": theirs["peak_memory_mib"],
+            "first_losses": [ours["losses"][0], theirs["losses"][0]], "targets": BENCH_TARGETS,
+            "targets_met": {k: measured[k] >= v for k, v in BENCH_TARGETS.items()},
+            "passed": all(map(math.isfinite, losses))
+            and abs(ours["losses"][0] - theirs["losses"][0]) <= 1e-2 * abs(theirs["losses"][0])}
+
+
 def train_run(overrides: list[str], sync_debug: bool, warmup: int = 3) -> tuple[Trainer, dict]:
     trainer = Trainer(load_config(None, overrides), echo=print)
     hooks = default_hooks(trainer, tensorboard=False)
@@ -253,10 +286,13 @@ def main() -> int:
 
         checks["comm_audit"] = check_comm_audit(device)
         print("comm audit:", checks["comm_audit"], flush=True)
+
+        checks["bench_vs_transformers"] = check_bench(output, work, work / "corpus.txt", tokenizer, args.cpu)
+        print("bench:", checks["bench_vs_transformers"], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = round(time.time() - started, 1)
-    report["passed"] = all(c.get("passed") for c in checks.values()) and len(checks) == 6
+    report["passed"] = all(c.get("passed") for c in checks.values()) and len(checks) == 7
     (output / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"passed": report["passed"], "seconds": report["seconds"]}))
     return 0 if report["passed"] else 1

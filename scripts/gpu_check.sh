@@ -2,7 +2,7 @@
 # GPU readiness check: parity with transformers on the GPU (fp32, bf16), 30 bf16 steps of a
 # t5-v1.1-base-shaped model with CUDA's sync debug mode set to "error" after warm-up, fp16 loss scaling,
 # checkpoint save + resume, HF export, the communication recorder on NCCL; writes OUTPUT/gpu_check.json
-# (samples/s, MFU, peak memory).
+# (samples/s, MFU, peak memory) and OUTPUT/bench/named.* (t5forge vs transformers at t5-v1.1-base, bf16).
 #
 #   scripts/gpu_check.sh [--output DIR] [--steps N]   # on a machine with CUDA PyTorch (no network needed)
 #   scripts/gpu_check.sh --cpu [--output DIR]         # dry run, tiny shapes, on the CPU (the test suite runs it)
