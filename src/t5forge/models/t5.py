@@ -334,10 +334,19 @@ class T5Block(nn.Module):
             position_bias = attention.compute_bias(length, length)
             if mask is not None:
                 position_bias = position_bias + mask
+            # Cast once for every block of the stack, to the dtype of the attention's queries (autocast's):
+            # a cast per layer would copy [batch, heads, len, len] each time, forward and backward.
+            position_bias = position_bias.to(compute_dtype(hidden_states))
         hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias))
         if self.is_decoder:
             hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias))
         return _clamp_fp16(self.layer[-1](hidden_states)), position_bias
+
+
+def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype that linear layers produce from `hidden_states`: autocast's when it is on."""
+    device = hidden_states.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
 
 
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

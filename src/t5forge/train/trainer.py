@@ -493,10 +493,15 @@ class Trainer:
             total += scalar(loss_sum.detach()).double()
         return total
 
+    @property
+    def _fused_head_loss(self) -> bool:
+        """train.fused_loss, except with a vocab-parallel head (tp > 1): its logits stay sharded and the
+        loss comes from them under `loss_parallel`."""
+        return self.run.train.fused_loss and self.mesh.tp_size == 1
+
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The summed token loss of one micro-batch: fused with the LM head (train.fused_loss), or from the
-        logits, which a vocab-parallel head (tp > 1) keeps sharded for `loss_parallel`."""
-        if self.run.train.fused_loss and self.mesh.tp_size == 1:
+        """The summed token loss of one micro-batch, fused with the LM head or from the logits."""
+        if self._fused_head_loss:
             return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               labels=batch["labels"], return_logits=False).loss_sum
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -512,7 +517,7 @@ class Trainer:
         sums: list[torch.Tensor] = []
 
         def on_output(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-            if self.run.train.fused_loss and self.mesh.tp_size == 1:
+            if self._fused_head_loss:
                 loss_sum = linear_cross_entropy_sum(hidden, lm_head.weight, labels)
             else:
                 loss_sum = token_loss_sum(lm_head(hidden), labels)
