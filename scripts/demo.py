@@ -44,7 +44,7 @@ def show_examples(count: int = 3) -> None:
         with torch.no_grad():  # greedy decoding with the plain forward pass (no KV cache)
             encoded = model.encode(input_ids)
             for _ in range(len(sample["labels"])):
-                next_id = model.decode(decoded, encoded)[:, -1].argmax(-1, keepdim=True)
+                next_id = model.lm_head(model.decoder_output(decoded, encoded))[:, -1].argmax(-1, keepdim=True)
                 decoded = torch.cat([decoded, next_id], dim=1)
                 if next_id.item() == tok.eos_id:
                     break

@@ -510,17 +510,6 @@ class T5ForConditionalGeneration(nn.Module):
         """input_ids [batch, source_len] -> encoder states [batch, source_len, d_model]."""
         return self.encoder(self.shared(input_ids), attention_mask)
 
-    def decode(
-        self,
-        decoder_input_ids: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """decoder_input_ids [batch, target_len] -> logits [batch, target_len, vocab]."""
-        return self.lm_head(self.decoder_output(decoder_input_ids, encoder_hidden_states, attention_mask,
-                                                decoder_attention_mask))
-
     def decoder_output(
         self,
         decoder_input_ids: torch.Tensor,
