@@ -40,14 +40,7 @@ def show_examples(count: int = 3) -> None:
     for index in range(count):
         sample = data.valid[index]
         input_ids = torch.from_numpy(sample["input_ids"])[None]
-        decoded = torch.full((1, 1), model.config.decoder_start_token_id)
-        with torch.no_grad():  # greedy decoding with the plain forward pass (no KV cache)
-            encoded = model.encode(input_ids)
-            for _ in range(len(sample["labels"])):
-                next_id = model.lm_head(model.decoder_output(decoded, encoded))[:, -1].argmax(-1, keepdim=True)
-                decoded = torch.cat([decoded, next_id], dim=1)
-                if next_id.item() == tok.eos_id:
-                    break
+        decoded = model.generate(input_ids, max_new_tokens=len(sample["labels"]))  # greedy, key-value cache
         print(f"\n[{index}] input:     {tok.decode(sample['input_ids'][:-1])[:300]}")
         print(f"    target:    {tok.decode(sample['labels'][:-1])}")
         print(f"    predicted: {tok.decode(decoded[0, 1:].tolist(), skip_special_tokens=False).replace('</s>', '')}")

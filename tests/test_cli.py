@@ -132,3 +132,16 @@ def test_a_torch_older_than_the_declared_floor_is_refused(monkeypatch, capsys):
     assert main(["info", "t5-small"]) == 2
     err = capsys.readouterr().err
     assert f"is older than {floor}" in err and f"torch>={floor}" in err and err.count("\n") == 1
+
+
+def test_positional_lists_may_continue_after_options(capsys):
+    from t5forge.cli import parse_args
+
+    assert parse_args(["bench", "NAME", "--baseline", "hf", "train.compile=true"]).names == ["NAME",
+                                                                                          "train.compile=true"]
+    assert parse_args(["generate", "MODEL", "--num-beams", "2", "first", "second"]).texts == ["first", "second"]
+    with pytest.raises(SystemExit):  # other commands keep argparse's rule, and an unknown option is refused
+        parse_args(["info", "t5-small", "extra"])
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "MODEL", "text", "--no-such-option"])
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -270,6 +270,51 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from t5forge.errors import ConfigError
+    from t5forge.inference import generate_texts, load_for_generation, read_jsonl_inputs
+
+    if bool(args.texts) == bool(args.input):
+        raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
+    if args.output and not args.input:
+        raise ConfigError("--output writes the predictions of --input FILE.jsonl; without it they are printed")
+    texts = read_jsonl_inputs(args.input, args.input_field) if args.input else args.texts
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_for_generation(args.model, args.tokenizer, device)
+    settings = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                    num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
+                    do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+                    length_penalty=args.length_penalty)
+    if args.seed is not None:
+        settings["generator"] = torch.Generator(device=device).manual_seed(args.seed)
+    if args.input:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as progress:
+            task = progress.add_task("generating", total=len(texts))
+            predictions, speed = generate_texts(
+                model, tokenizer, texts, args.batch_size, args.max_input_tokens, args.truncate,
+                on_batch=lambda n: progress.advance(task, n), **settings)
+    else:
+        predictions, speed = generate_texts(model, tokenizer, texts, args.batch_size, args.max_input_tokens,
+                                            args.truncate, **settings)
+    if args.output:
+        from t5forge.fileio import write_text_atomic
+
+        write_text_atomic(args.output, "".join(json.dumps({args.input_field: text, "prediction": prediction})
+                                               + "\n" for text, prediction in zip(texts, predictions)))
+        print(f"wrote {len(predictions)} predictions to {args.output}")
+    else:
+        for text, prediction in zip(texts, predictions):
+            print(json.dumps({"input": text, "prediction": prediction}, ensure_ascii=False))
+    print(f"{speed['generated_tokens']} tokens in {speed['seconds']:.2f} s: {speed['tokens_per_s']:.1f} tokens/s",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -351,6 +396,32 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--json", action="store_true")
     evaluation.set_defaults(func=cmd_eval)
 
+    gen = sub.add_parser("generate", help="generate text with a model (greedy, beam search or sampling)",
+                         description="MODEL_OR_RUN_DIR: an HF model directory or a t5forge run directory (its "
+                                     "latest checkpoint). Settings follow transformers' generate.")
+    gen.add_argument("model", metavar="MODEL_OR_RUN_DIR")
+    gen.add_argument("texts", nargs="*", metavar="TEXT", help="inputs (or --input FILE.jsonl)")
+    gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's, or the run's)")
+    gen.add_argument("--input", metavar="FILE.jsonl", help="one JSON object per line, with --input-field")
+    gen.add_argument("--input-field", default="input", help="the field of --input lines to read (default input)")
+    gen.add_argument("--output", metavar="FILE.jsonl", help="write {input, prediction} lines here")
+    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--max-input-tokens", type=int, default=512, help="longer inputs are refused (or --truncate)")
+    gen.add_argument("--truncate", action="store_true", help="cut inputs at --max-input-tokens instead")
+    gen.add_argument("--max-new-tokens", type=int, default=20)
+    gen.add_argument("--min-new-tokens", type=int, default=0)
+    gen.add_argument("--num-beams", type=int, default=1)
+    gen.add_argument("--num-return-sequences", type=int, default=1)
+    gen.add_argument("--length-penalty", type=float, default=1.0)
+    gen.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--do-sample", action="store_true")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, help="sampling seed (default: torch's global generator)")
+    gen.set_defaults(func=cmd_generate)
+
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",
                        help="benchmark names such as t5v11_nl4_nah4_hs256_ffn1024_FP32_mb4_gb4_seq512_1n1g (grammar: "
@@ -416,8 +487,24 @@ def configure_cpu_training() -> None:
         torch.set_flush_denormal(True)
 
 
+# Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,
+# `bench NAME --baseline hf train.compile=true`): argparse stops a positional list at the first option.
+_TRAILING_POSITIONALS = {"generate": "texts", "bench": "names"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    field = _TRAILING_POSITIONALS.get(args.command)
+    if extra and (field is None or any(item.startswith("-") and len(item) > 1 for item in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        setattr(args, field, [*getattr(args, field), *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from t5forge.errors import T5ForgeError
 
     configure_process()

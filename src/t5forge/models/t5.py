@@ -206,9 +206,12 @@ class T5Attention(nn.Module):
         hidden_states: torch.Tensor,
         attn_bias: torch.Tensor | None,
         key_value_states: torch.Tensor | None = None,
+        cache: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden_states [batch, q_len, d_model]; key_value_states [batch, k_len, d_model] for
-        cross-attention; attn_bias broadcastable to [batch, heads, q_len, k_len] (position bias + mask)."""
+        cross-attention; attn_bias broadcastable to [batch, heads, q_len, k_len] (position bias + mask).
+        `cache` (generation, see KVCache) keeps this layer's keys and values: self-attention appends the new
+        positions' to those of the earlier steps, cross-attention computes them once."""
         batch, q_len, _ = hidden_states.shape
         source = hidden_states if key_value_states is None else key_value_states
 
@@ -216,7 +219,15 @@ class T5Attention(nn.Module):
             # The head count comes from the tensor: under tensor parallelism a rank holds h / tp heads.
             return x.view(batch, x.shape[1], -1, self.d_kv).transpose(1, 2)
 
-        query, key, value = heads(self.q(hidden_states)), heads(self.k(source)), heads(self.v(source))
+        query = heads(self.q(hidden_states))
+        if cache is not None and key_value_states is not None and "key" in cache:
+            key, value = cache["key"], cache["value"]
+        else:
+            key, value = heads(self.k(source)), heads(self.v(source))
+            if cache is not None:
+                if key_value_states is None and "key" in cache:
+                    key, value = torch.cat([cache["key"], key], dim=2), torch.cat([cache["value"], value], dim=2)
+                cache["key"], cache["value"] = key, value
         if attn_bias is not None:
             attn_bias = attn_bias.to(query.dtype)
         out = F.scaled_dot_product_attention(
@@ -234,8 +245,10 @@ class T5LayerSelfAttention(nn.Module):
         self.layer_norm = T5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
-        return hidden_states + self.dropout(self.SelfAttention(self.layer_norm(hidden_states), attn_bias))
+    def forward(self, hidden_states: torch.Tensor, attn_bias: torch.Tensor | None,
+                cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        attended = self.SelfAttention(self.layer_norm(hidden_states), attn_bias, cache=cache)
+        return hidden_states + self.dropout(attended)
 
 
 class T5LayerCrossAttention(nn.Module):
@@ -246,9 +259,11 @@ class T5LayerCrossAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, attn_bias: torch.Tensor | None
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, attn_bias: torch.Tensor | None,
+        cache: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attended = self.EncDecAttention(self.layer_norm(hidden_states), attn_bias, encoder_hidden_states)
+        attended = self.EncDecAttention(self.layer_norm(hidden_states), attn_bias, encoder_hidden_states,
+                                        cache=cache)
         return hidden_states + self.dropout(attended)
 
 
@@ -323,23 +338,28 @@ class T5Block(nn.Module):
         mask: torch.Tensor | None,
         encoder_hidden_states: torch.Tensor | None = None,
         cross_attn_bias: torch.Tensor | None = None,
+        cache: dict[str, dict[str, torch.Tensor]] | None = None,
+        past_length: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the new hidden states and the self-attention bias (position bias + mask) that the
         following blocks reuse. A block with its own relative position bias (the first of each stack in
         T5, every block in UMT5) computes it here, inside its own forward, where sharded parameters are
-        gathered."""
+        gathered. In generation, `cache` holds the block's keys and values and the queries start at
+        position `past_length`: the bias is that of the new positions only."""
         attention = self.layer[0].SelfAttention
         if attention.has_relative_attention_bias:
             length = hidden_states.shape[1]
-            position_bias = attention.compute_bias(length, length)
+            position_bias = attention.compute_bias(length, past_length + length, query_offset=past_length)
             if mask is not None:
                 position_bias = position_bias + mask
             # Cast once for every block of the stack, to the dtype of the attention's queries (autocast's):
             # a cast per layer would copy [batch, heads, len, len] each time, forward and backward.
             position_bias = position_bias.to(compute_dtype(hidden_states))
-        hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias))
+        self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
+        hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias, self_cache))
         if self.is_decoder:
-            hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias))
+            hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias,
+                                                      cross_cache))
         return _clamp_fp16(self.layer[-1](hidden_states)), position_bias
 
 
@@ -352,6 +372,22 @@ def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean "may attend" mask -> additive float mask (0 where allowed, the dtype's minimum elsewhere)."""
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class KVCache:
+    """The decoder's keys and values kept between generation steps, filled by the attention layers: per
+    block, self-attention's grow by the positions of each step, cross-attention's (of the encoder output)
+    are computed at the first step. `length`: the positions cached so far."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks: list[dict[str, dict[str, torch.Tensor]]] = [{"self": {}, "cross": {}} for _ in range(num_blocks)]
+        self.length = 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` of the self-attention cache (beam search: the beams that go on). The
+        cross-attention rows of one input's beams are equal, so they need no reordering."""
+        for block in self.blocks:
+            block["self"] = {name: t.index_select(0, index) for name, t in block["self"].items()}
 
 
 class T5Stack(nn.Module):
@@ -373,17 +409,19 @@ class T5Stack(nn.Module):
 
     def attention_masks(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-        encoder_attention_mask: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None, past_length: int = 0,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Additive masks in the dtype of `hidden_states` [batch, len, d_model]: self-attention [batch or 1, 1,
-        len, len] (padding, and causality in the decoder) and cross-attention [batch, 1, 1, source_len]."""
+        len, past_length + len] (padding, and causality in the decoder; `attention_mask` covers every key)
+        and cross-attention [batch, 1, 1, source_len]."""
         length, dtype, device = hidden_states.shape[1], hidden_states.dtype, hidden_states.device
         # Which keys each query may see, True = attend.
         keep = None
         if attention_mask is not None:
             keep = attention_mask.bool()[:, None, None, :]
         if self.is_decoder:
-            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+            causal = torch.ones(length, past_length + length, dtype=torch.bool, device=device)
+            causal = causal.tril(diagonal=past_length)[None, None]
             keep = causal if keep is None else keep & causal
         mask = None if keep is None else additive_mask(keep, dtype)
         cross_bias = None
@@ -397,15 +435,20 @@ class T5Stack(nn.Module):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding."""
-        mask, cross_bias = self.attention_masks(inputs_embeds, attention_mask, encoder_attention_mask)
+        """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding.
+        With a `cache` (generation: decoder only), inputs_embeds are the positions after those cached."""
+        past = 0 if cache is None else cache.length
+        mask, cross_bias = self.attention_masks(inputs_embeds, attention_mask, encoder_attention_mask, past)
         hidden_states = self.dropout(inputs_embeds)
         # T5/mT5: the first block's bias is reused by every block; UMT5: each block computes its own.
         position_bias = None
-        for block in self.block:
+        for i, block in enumerate(self.block):
             hidden_states, position_bias = block(hidden_states, position_bias, mask, encoder_hidden_states,
-                                                 cross_bias)
+                                                 cross_bias, None if cache is None else cache.blocks[i], past)
+        if cache is not None:
+            cache.length += inputs_embeds.shape[1]
         return self.dropout(self.final_layer_norm(hidden_states))
 
 
@@ -516,10 +559,12 @@ class T5ForConditionalGeneration(nn.Module):
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """What the LM head projects: decoder states [batch, target_len, d_model]."""
+        """What the LM head projects: decoder states [batch, target_len, d_model] (with a `cache`: of the
+        positions after those cached; see models/generate.py)."""
         hidden_states = self.decoder(
-            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask
+            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask, cache
         )
         if self.config.scale_decoder_outputs:
             # Mesh TF rescales before projecting with the (tied) embedding matrix.
@@ -560,6 +605,14 @@ class T5ForConditionalGeneration(nn.Module):
             loss = loss_sum / (labels != -100).sum()
         return Seq2SeqLMOutput(logits=logits, loss=loss, loss_sum=loss_sum,
                                encoder_last_hidden_state=encoder_hidden_states)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 **settings) -> torch.Tensor:
+        """Greedy / beam / sampled generation with a key-value cache (implemented in t5forge.models.generate;
+        settings as transformers' GenerationConfig: max_new_tokens, num_beams, do_sample, top_k, ...)."""
+        from t5forge.models.generate import generate
+
+        return generate(self, input_ids, attention_mask, **settings)
 
     # -- HF checkpoints (implemented in t5forge.models.hf) ---------------------------------------------
     @classmethod

@@ -1,0 +1,254 @@
+"""Generation for the T5 family: greedy search, beam search and sampling, with a key/value cache.
+
+`generate(model, input_ids, attention_mask=None, ...)` returns token ids [batch x num_return_sequences,
+length] that begin with decoder_start_token_id, as transformers' `generate` returns them. The encoder runs
+once; each step runs the decoder on the new position only, with the self-attention keys/values of the
+earlier positions and the cross-attention keys/values of the encoder output in a `KVCache` (the cache is
+an argument of the attention, models/t5.py; the search loops live here).
+
+The searches follow transformers' own (generation/utils.py and logits_process.py, version 5) step by step,
+so that the same model and settings give the same tokens: the logits processors in transformers' order
+(repetition penalty, no-repeat n-grams, minimum new tokens, then temperature, top-k, top-p when sampling),
+and the vectorised beam search with its length penalty, early-stopping heuristic and beam bookkeeping.
+Written by hand because the model is not a transformers model; the HF `generate` cannot drive it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from t5forge.errors import ConfigError
+from t5forge.models.t5 import KVCache, T5ForConditionalGeneration
+
+NEG_INF = -1.0e9  # transformers' "finished or impossible" score in beam search
+
+
+@dataclass
+class GenerationSettings:
+    """The settings of one generate call; names and defaults are transformers' GenerationConfig's."""
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                              f"got {self.min_new_tokens}")
+        if self.num_beams < 1:
+            raise ConfigError(f"num_beams must be >= 1, got {self.num_beams}")
+        if self.num_return_sequences > self.num_beams and not (self.do_sample and self.num_beams == 1):
+            raise ConfigError(f"num_return_sequences ({self.num_return_sequences}) must not exceed num_beams "
+                              f"({self.num_beams}): beam search returns its best beams")
+        if self.do_sample and self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ConfigError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+
+
+# -- logits processors (transformers' order and arithmetic) ---------------------------------------------------
+def _banned_ngram_tokens(sequences: torch.Tensor, n: int) -> list[list[int]]:
+    """Per row: the tokens that would repeat an n-gram already in the row (NoRepeatNGramLogitsProcessor)."""
+    banned = []
+    length = sequences.shape[1]
+    for row in sequences.tolist():
+        if length + 1 < n:
+            banned.append([])
+            continue
+        prefix = tuple(row[length - n + 1:])
+        banned.append([row[i + n - 1] for i in range(length - n + 1) if tuple(row[i:i + n - 1]) == prefix])
+    return banned
+
+
+def process_scores(scores: torch.Tensor, sequences: torch.Tensor, s: GenerationSettings, eos_token_id: int,
+                   min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """scores [rows, vocab] of the next token given `sequences` [rows, length] (decoder tokens so far)."""
+    if s.repetition_penalty != 1.0:
+        seen = torch.gather(scores, 1, sequences)
+        seen = torch.where(seen < 0, seen * s.repetition_penalty, seen / s.repetition_penalty)
+        scores = scores.scatter(1, sequences, seen)
+    if s.no_repeat_ngram_size > 0:
+        scores = scores.clone()
+        for row, tokens in enumerate(_banned_ngram_tokens(sequences, s.no_repeat_ngram_size)):
+            scores[row, tokens] = -float("inf")
+    if s.min_new_tokens > 0 and sequences.shape[1] - 1 < s.min_new_tokens:  # 1: the decoder start token
+        scores = scores.clone()
+        scores[:, eos_token_id] = -float("inf")
+    if not s.do_sample:
+        return scores
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    if s.top_k:
+        k = min(max(s.top_k, min_tokens_to_keep), scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], -float("inf"))
+    if s.top_p < 1.0:
+        sorted_scores, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - s.top_p)
+        remove[..., -min_tokens_to_keep:] = False
+        scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return scores
+
+
+# -- the decoder, one step at a time ------------------------------------------------------------------------
+class _Decoder:
+    """The encoder output and the cache of a batch (rows: inputs x beams), stepped one token at a time."""
+
+    def __init__(self, model: T5ForConditionalGeneration, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None, rows_per_input: int):
+        self.model = model
+        encoded = model.encode(input_ids, attention_mask)
+        self.encoded = encoded.repeat_interleave(rows_per_input, dim=0)
+        self.mask = None if attention_mask is None else attention_mask.repeat_interleave(rows_per_input, dim=0)
+        self.cache = KVCache(len(model.decoder.block))
+
+    def next_logits(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the position after `last_tokens` [rows, 1]."""
+        hidden = self.model.decoder_output(last_tokens, self.encoded, self.mask, cache=self.cache)
+        return self.model.lm_head(hidden)[:, -1, :].float()
+
+
+@torch.no_grad()
+def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generator: torch.Generator | None = None, **settings) -> torch.Tensor:
+    """Token ids [batch x num_return_sequences, length], each row beginning with decoder_start_token_id and
+    padded with pad_token_id after its end. `settings`: see GenerationSettings. Sampling draws from
+    `generator` (default: torch's global generator, as transformers does)."""
+    s = GenerationSettings(**settings)
+    s.validate()
+    if input_ids.numel() == 0 or input_ids.shape[1] == 0:
+        raise ConfigError("generate got an empty input: give at least one token per row")
+    was_training = model.training
+    model.eval()
+    try:
+        if s.num_beams > 1:
+            return _beam_search(model, input_ids, attention_mask, s, generator)
+        return _greedy_or_sample(model, input_ids, attention_mask, s, generator)
+    finally:
+        model.train(was_training)
+
+
+def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, generator) -> torch.Tensor:
+    cfg = model.config
+    rows = input_ids.shape[0] * s.num_return_sequences
+    decoder = _Decoder(model, input_ids, attention_mask, s.num_return_sequences)
+    sequences = torch.full((rows, 1), cfg.decoder_start_token_id, dtype=torch.long, device=input_ids.device)
+    unfinished = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+    for _ in range(s.max_new_tokens):
+        scores = process_scores(decoder.next_logits(sequences[:, -1:]), sequences, s, cfg.eos_token_id)
+        if s.do_sample:
+            next_tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        next_tokens = torch.where(unfinished, next_tokens, cfg.pad_token_id)
+        sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+        unfinished &= next_tokens != cfg.eos_token_id
+        if not unfinished.any():  # one host read per token, as in transformers
+            break
+    return sequences
+
+
+def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, generator) -> torch.Tensor:
+    """transformers' vectorised beam search (`_beam_search` and its helpers), for one eos token."""
+    cfg = model.config
+    batch, beams, device = input_ids.shape[0], s.num_beams, input_ids.device
+    keep = 2 * beams  # candidates per input: max(2, 1 + number of eos tokens) x beams
+    prompt_len, max_length = 1, 1 + s.max_new_tokens
+    decoder = _Decoder(model, input_ids, attention_mask, beams)
+
+    # transformers fills unused positions with `pad_token_id or eos_token_id`: eos for T5's pad id 0.
+    fill = cfg.pad_token_id or cfg.eos_token_id
+    running = torch.full((batch, beams, max_length), fill, dtype=torch.long, device=device)
+    running[:, :, 0] = cfg.decoder_start_token_id
+    finished_sequences = running.clone()
+    running_scores = torch.zeros(batch, beams, device=device)
+    running_scores[:, 1:] = NEG_INF
+    finished_scores = torch.full((batch, beams), NEG_INF, device=device)
+    finished_lengths = torch.zeros(batch, beams, dtype=torch.long, device=device)  # generated tokens
+    is_finished = torch.zeros(batch, beams, dtype=torch.bool, device=device)
+    improvable = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    top_beams = torch.arange(keep, device=device) < beams
+    batch_offset = torch.arange(batch, device=device)[:, None] * beams
+    # Which row each running beam came from at the last step (to reorder the cache).
+    origin = torch.arange(batch * beams, device=device).view(batch, beams)
+
+    def gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # along the beam dimension
+        while index.dim() < tensor.dim():
+            index = index.unsqueeze(-1)
+        return torch.gather(tensor, 1, index.expand(*index.shape[:2], *tensor.shape[2:]))
+
+    cur_len = prompt_len
+    while True:
+        flat = running[:, :, :cur_len].reshape(batch * beams, cur_len)
+        log_probs = F.log_softmax(decoder.next_logits(flat[:, -1:]), dim=-1)
+        log_probs = process_scores(log_probs, flat, s, cfg.eos_token_id, min_tokens_to_keep=2)
+        vocab = log_probs.shape[-1]
+        log_probs = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
+        if s.do_sample:
+            top_indices = torch.multinomial(log_probs.softmax(dim=-1), num_samples=keep, generator=generator)
+            top_scores = torch.gather(log_probs, 1, top_indices)
+            top_scores, order = top_scores.sort(dim=-1, descending=True)
+            top_indices = top_indices.gather(1, order)
+        else:
+            top_scores, top_indices = torch.topk(log_probs, k=keep)
+        top_beam = top_indices // vocab
+        top_sequences = gather(running, top_beam)
+        top_sequences[:, :, cur_len] = top_indices % vocab
+        top_origin = top_beam + batch_offset
+        hits_stop = (top_sequences[:, :, cur_len] == cfg.eos_token_id) | (cur_len + 1 >= max_length)
+
+        # The beams that go on: the best candidates that did not just finish.
+        candidates = top_scores + hits_stop.float() * NEG_INF
+        go_on = torch.topk(candidates, k=beams)[1]
+        running, running_scores = gather(top_sequences, go_on), gather(candidates, go_on)
+        origin = gather(top_origin, go_on)
+
+        # The finished hypotheses: merge those that just finished (among the top `beams`) into the best so far.
+        just_finished = hits_stop & top_beams[None, :]
+        scores = top_scores / ((cur_len + 1 - prompt_len) ** s.length_penalty)
+        scores = scores + (is_finished.all(dim=-1, keepdim=True) & (s.early_stopping is True)).float() * NEG_INF
+        scores = scores + (~improvable).float() * NEG_INF
+        scores = scores + (~just_finished) * NEG_INF
+        merged_scores = torch.cat([finished_scores, scores], dim=1)
+        best = torch.topk(merged_scores, k=beams)[1]
+        finished_sequences = gather(torch.cat([finished_sequences, top_sequences], dim=1), best)
+        finished_scores = gather(merged_scores, best)
+        finished_lengths = gather(torch.cat([finished_lengths, torch.full_like(top_beam, cur_len + 1 - prompt_len)],
+                                            dim=1), best)
+        is_finished = gather(torch.cat([is_finished, just_finished], dim=1), best)
+
+        decoder.cache.reorder(origin.view(-1))
+        cur_len += 1
+        # Early-stopping heuristic: can a running beam still beat the worst finished one?
+        if s.early_stopping == "never" and s.length_penalty > 0.0:
+            best_length = max_length - prompt_len
+        else:
+            best_length = cur_len - prompt_len
+        best_running = running_scores[:, :1] / (best_length**s.length_penalty)
+        worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True)[0], NEG_INF)
+        improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
+        open_beams = not (bool(is_finished.all()) and s.early_stopping is True)
+        if not (bool(improvable.any()) and open_beams and not bool(hits_stop.all())):
+            break
+
+    out = finished_sequences[:, :s.num_return_sequences].reshape(batch * s.num_return_sequences, max_length)
+    # As transformers: cut after the longest returned hypothesis.
+    return out[:, :prompt_len + int(finished_lengths[:, :s.num_return_sequences].max())]

@@ -1,0 +1,97 @@
+"""`t5forge generate`: texts and JSONL in, predictions out (the same as `model.generate` on the padded
+batch), and every bad input refused with one message and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_reference import build_hf_model
+
+import t5forge
+from t5forge.cli import main
+from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.inference import generate_texts
+
+SHAPE = dict(vocab_size=2176, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=2, num_decoder_layers=2)
+TEXTS = ["The os module provides a portable way of using operating system dependent functionality.",
+         "Return the absolute value of a number."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    build_hf_model(model_type="t5", untied=True, feed_forward_proj="gated-gelu", seed=3, **SHAPE).save_pretrained(path)
+    return path
+
+
+def lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_texts_in_predictions_out_as_model_generate(model_dir, tokenizer_dir, capsys):
+    args = ["generate", str(model_dir), *TEXTS, "--tokenizer", str(tokenizer_dir), "--num-beams", "2",
+            "--max-new-tokens", "6"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    printed = lines(out.out)
+    assert [p["input"] for p in printed] == TEXTS
+    assert "tokens/s" in out.err
+    # The same as generating the padded batch directly.
+    model, tok = t5forge.from_pretrained(model_dir).eval(), T5Tokenizer(tokenizer_dir)
+    ids = [tok.encode(t) + [tok.eos_id] for t in TEXTS]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([i + [0] * (width - len(i)) for i in ids])
+    expected = model.generate(input_ids, (input_ids != 0).long(), num_beams=2, max_new_tokens=6)
+    for row, p in zip(expected[:, 1:].tolist(), printed):
+        row = row[:row.index(tok.eos_id)] if tok.eos_id in row else row
+        assert p["prediction"] == tok.decode(row).strip()
+
+
+def test_jsonl_in_and_out_with_several_sequences(model_dir, tokenizer_dir, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)))
+    target = tmp_path / "out.jsonl"
+    assert main(["generate", str(model_dir), "--tokenizer", str(tokenizer_dir), "--input", str(source),
+                 "--input-field", "text", "--output", str(target), "--num-beams", "3",
+                 "--num-return-sequences", "2", "--max-new-tokens", "4"]) == 0
+    written = lines(target.read_text())
+    assert [w["text"] for w in written] == TEXTS
+    assert all(isinstance(w["prediction"], list) and len(w["prediction"]) == 2 for w in written)
+    model, tok = t5forge.from_pretrained(model_dir).eval(), T5Tokenizer(tokenizer_dir)
+    predictions, speed = generate_texts(model, tok, TEXTS, num_beams=3, num_return_sequences=2, max_new_tokens=4)
+    assert predictions == [w["prediction"] for w in written] and speed["generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("extra, content, message", [
+    (["--input", "{IN}"], '{"input": "ok"}\n{"text": "no input field"}\n',
+     "in.jsonl:2 has no string field 'input'; set the field with --input-field"),
+    (["--input", "{IN}"], '{"input": "ok"}\nnot json\n', "in.jsonl:2 is not JSON"),
+    (["", "--max-new-tokens", "3"], None, "input 1 is empty"),
+    (["a b c d e f g h i j k l m n o p", "--max-input-tokens", "4"], None,
+     "more than --max-input-tokens 4; raise it, or pass --truncate"),
+    (["x", "--num-beams", "2", "--num-return-sequences", "3"], None,
+     r"num_return_sequences \(3\) must not exceed num_beams \(2\)"),
+])
+def test_bad_input_is_refused_with_exit_2(model_dir, tokenizer_dir, tmp_path, capsys, extra, content, message):
+    if content is not None:
+        (tmp_path / "in.jsonl").write_text(content)
+    extra = [e.replace("{IN}", str(tmp_path / "in.jsonl")) for e in extra]
+    assert main(["generate", str(model_dir), "--tokenizer", str(tokenizer_dir), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    import re
+    assert re.search(message, err), err
+
+
+def test_truncate_cuts_long_inputs(model_dir, tokenizer_dir, capsys):
+    assert main(["generate", str(model_dir), "--tokenizer", str(tokenizer_dir), "a b c d e f g h i j k l m n o p",
+                 "--max-input-tokens", "4", "--truncate", "--max-new-tokens", "2"]) == 0
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tokenizer_dir, tmp_path, capsys):
+    small = dict(SHAPE, vocab_size=512)
+    build_hf_model(model_type="t5", seed=1, **small).save_pretrained(tmp_path / "small")
+    assert main(["generate", str(tmp_path / "small"), "--tokenizer", str(tokenizer_dir), "x"]) == 2
+    assert "the model's vocab_size is 512: use the tokenizer the model was trained with" in capsys.readouterr().err
