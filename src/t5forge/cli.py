@@ -138,7 +138,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_SUITES = ("data", "distributed", "comm", "pipeline")
+BENCH_SUITES = ("data", "distributed", "comm", "pipeline", "generate")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -164,6 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from t5forge.bench.comm import run_comm_benchmark as run
     elif args.suite == "pipeline":
         from t5forge.bench.pipeline import run_pipeline_benchmark as run
+    elif args.suite == "generate":
+        from t5forge.bench.generate import run_generate_benchmark
+
+        def run(output_dir, _work_dir):
+            return run_generate_benchmark(output_dir)
     else:
         from t5forge.bench.distributed import run_distributed_benchmark as run
     run(args.output_dir, args.work_dir)
@@ -433,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "
                             "comm: communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes; "
                             "pipeline: step time and idle share per stage of pp2/pp4 for each schedule and several "
-                            "micro-batch counts, against the theoretical bubble")
+                            "micro-batch counts, against the theoretical bubble; "
+                            "generate: greedy and beam-4 tokens/s against transformers' generate")
     bench.add_argument("--output-dir", "--output", default="benchmarks")
     bench.add_argument("--baseline", choices=["hf"], default=None,
                        help="named benchmarks: also step transformers' T5 on the same weights and batches")
