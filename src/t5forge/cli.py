@@ -276,18 +276,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import os
+
     import torch
 
     from t5forge.errors import ConfigError
-    from t5forge.inference import generate_texts, load_for_generation, read_jsonl_inputs
+    from t5forge.inference import generate_texts, load_for_generation, load_sharded_for_generation, read_jsonl_inputs
 
     if bool(args.texts) == bool(args.input):
         raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
     if args.output and not args.input:
         raise ConfigError("--output writes the predictions of --input FILE.jsonl; without it they are printed")
     texts = read_jsonl_inputs(args.input, args.input_field) if args.input else args.texts
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_generation(args.model, args.tokenizer, device)
+    if args.tp > 1:  # under torchrun: every rank runs the same search over its shards, rank 0 writes
+        model, tokenizer = load_sharded_for_generation(args.model, args.tokenizer, args.tp)
+        device = next(model.parameters()).device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_for_generation(args.model, args.tokenizer, device)
     settings = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                     num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
                     do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -295,7 +301,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     length_penalty=args.length_penalty)
     if args.seed is not None:
         settings["generator"] = torch.Generator(device=device).manual_seed(args.seed)
-    if args.input:
+    writer = int(os.environ.get("RANK", "0")) == 0
+    if args.input and writer:
         from rich.progress import Progress
 
         with Progress(transient=True) as progress:
@@ -306,6 +313,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         predictions, speed = generate_texts(model, tokenizer, texts, args.batch_size, args.max_input_tokens,
                                             args.truncate, **settings)
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if not writer:
+        return 0
     if args.output:
         from t5forge.fileio import write_text_atomic
 
@@ -425,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, help="sampling seed (default: torch's global generator)")
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor parallel: shard an HF model over N ranks (torchrun --nproc-per-node N)")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")

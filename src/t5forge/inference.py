@@ -48,6 +48,45 @@ def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike 
     return model.eval(), tok
 
 
+def load_sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike | None,
+                                tp: int) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
+    """Under torchrun: the HF model of `source` sharded over `tp` ranks (tensor parallel; each rank reads
+    only its regions), and its tokenizer. Every rank then runs the same generate."""
+    import torch.distributed as dist
+
+    from t5forge.config import ParallelConfig
+    from t5forge.models.hf import HFTensorReader, config_from_hf, read_hf_config
+    from t5forge.models.t5 import T5Config
+    from t5forge.parallel.mesh import build_mesh
+    from t5forge.parallel.parallelize import materialize_from_hf, parallelize_t5
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp != world:
+        raise ConfigError(f"--tp {tp} needs {tp} processes (torchrun --nproc-per-node {tp}); this job has {world}")
+    source = Path(source)
+    if not (source / "config.json").is_file():
+        raise CheckpointError(f"--tp serves an HF model directory (config.json); {source} is not one (export a "
+                              "run with `t5forge convert`)")
+    config = config_from_hf(read_hf_config(source))
+    if config.num_heads % tp or config.d_ff % tp:
+        raise ConfigError(f"--tp {tp} must divide num_heads ({config.num_heads}) and d_ff ({config.d_ff})")
+    reader = HFTensorReader(source)
+    tied = reader.check_against(config)
+    config = T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}, extra=config.extra)
+    parallel = ParallelConfig(tp=tp)
+    mesh = build_mesh(parallel)
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    parallelize_t5(model, mesh, parallel)
+    materialize_from_hf(model, reader, mesh.device)
+    tok = T5Tokenizer(tokenizer or source)
+    if tok.vocab_size > config.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {config.vocab_size}: "
+                          "use the tokenizer the model was trained with (--tokenizer)")
+    dist.barrier()
+    return model.eval(), tok
+
+
 def read_jsonl_inputs(path: str | os.PathLike, field: str) -> list[str]:
     """The `field` of every line of a JSONL file; a bad line is named by file and line number."""
     path = Path(path)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import KVCache, T5ForConditionalGeneration
@@ -116,6 +117,8 @@ class _Decoder:
                  attention_mask: torch.Tensor | None, rows_per_input: int):
         self.model = model
         encoded = model.encode(input_ids, attention_mask)
+        if isinstance(encoded, DTensor):  # tensor parallel: replicated, every rank holds all of it
+            encoded = encoded.to_local()
         self.encoded = encoded.repeat_interleave(rows_per_input, dim=0)
         self.mask = None if attention_mask is None else attention_mask.repeat_interleave(rows_per_input, dim=0)
         self.cache = KVCache(len(model.decoder.block))
@@ -123,7 +126,10 @@ class _Decoder:
     def next_logits(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """fp32 logits [rows, vocab] of the position after `last_tokens` [rows, 1]."""
         hidden = self.model.decoder_output(last_tokens, self.encoded, self.mask, cache=self.cache)
-        return self.model.lm_head(hidden)[:, -1, :].float()
+        logits = self.model.lm_head(hidden[:, -1:])
+        if isinstance(logits, DTensor):  # tensor parallel: sharded on the vocabulary
+            logits = logits.full_tensor()
+        return logits[:, -1, :].float()
 
 
 @torch.no_grad()
