@@ -14,6 +14,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+# A tiny shape (d_kv != d_model / heads) and the four variants, with unequal encoder and decoder depths.
+SMALL = dict(vocab_size=101, d_model=32, d_kv=12, d_ff=48, num_heads=4)
+VARIANTS = {
+    "t5-v1.0": dict(model_type="t5", feed_forward_proj="relu", num_layers=3, num_decoder_layers=2),
+    "t5-v1.1": dict(model_type="t5", untied=True, feed_forward_proj="gated-gelu", num_layers=2,
+                    num_decoder_layers=3),
+    "mt5": dict(model_type="mt5", untied=True, num_layers=2, num_decoder_layers=3),
+    "umt5": dict(model_type="umt5", untied=True, num_layers=3, num_decoder_layers=2),
+}
+
 HF_CLASSES = {
     "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration),
     "mt5": (transformers.MT5Config, transformers.MT5ForConditionalGeneration),

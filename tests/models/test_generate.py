@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import build_hf_model
+from hf_reference import SMALL, VARIANTS, build_hf_model
 
 import t5forge
 from t5forge.errors import ConfigError
 from t5forge.models.generate import generate
 from t5forge.models.t5 import KVCache
 
-SMALL = dict(vocab_size=101, d_model=32, d_kv=12, d_ff=48, num_heads=4)
-VARIANTS = {
-    "t5-v1.0": dict(model_type="t5", feed_forward_proj="relu", num_layers=3, num_decoder_layers=2),
-    "t5-v1.1": dict(model_type="t5", untied=True, feed_forward_proj="gated-gelu", num_layers=2,
-                    num_decoder_layers=3),
-    "mt5": dict(model_type="mt5", untied=True, num_layers=2, num_decoder_layers=3),
-    "umt5": dict(model_type="umt5", untied=True, num_layers=3, num_decoder_layers=2),
-}
 SETTINGS = [
     dict(),
     dict(num_beams=3),

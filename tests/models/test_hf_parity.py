@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import build_hf_model, load_hf_model
+from hf_reference import SMALL, VARIANTS, build_hf_model, load_hf_model
 
 import t5forge
 from t5forge.models.t5 import relative_position_bucket, use_fused_gelu
 
 TOL = 1e-5
-SMALL = dict(vocab_size=101, d_model=32, d_kv=12, d_ff=48, num_heads=4)  # d_kv != d_model / heads
-
 CASES = {
-    "t5-v1.0": dict(model_type="t5", feed_forward_proj="relu", num_layers=3, num_decoder_layers=2),
-    "t5-v1.1": dict(model_type="t5", untied=True, feed_forward_proj="gated-gelu", num_layers=2,
-                    num_decoder_layers=3),
-    "mt5": dict(model_type="mt5", untied=True, num_layers=2, num_decoder_layers=3),
-    "umt5": dict(model_type="umt5", untied=True, num_layers=3, num_decoder_layers=2),
+    **VARIANTS,
     # Few buckets and a short max distance, so that the 70-token batch reaches the logarithmic and the
     # clamped last buckets in both directions.
     "t5-v1.0-far-buckets": dict(model_type="t5", feed_forward_proj="relu", num_layers=2,
