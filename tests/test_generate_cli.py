@@ -66,7 +66,7 @@ def test_jsonl_in_and_out_with_several_sequences(model_dir, tokenizer_dir, tmp_p
 
 @pytest.mark.parametrize("extra, content, message", [
     (["--input", "{IN}"], '{"input": "ok"}\n{"text": "no input field"}\n',
-     "in.jsonl:2 has no string field 'input'; set the field with --input-field"),
+     "in.jsonl:2 has no field 'input'; set the field with --input-field"),
     (["--input", "{IN}"], '{"input": "ok"}\nnot json\n', "in.jsonl:2 is not JSON"),
     (["", "--max-new-tokens", "3"], None, "input 1 is empty"),
     (["a b c d e f g h i j k l m n o p", "--max-input-tokens", "4"], None,

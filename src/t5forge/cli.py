@@ -97,8 +97,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
-    from t5forge.data.corpus import write_python_docs
+    from t5forge.data.corpus import write_python_docs, write_python_function_names
 
+    if args.name == "python-functions":
+        examples, size = write_python_function_names(args.output)
+        print(f"wrote {args.output}: {examples} docstring sentence -> function name examples, {size / 1e6:.2f} MB "
+              "(JSONL input/target, PSF licence)")
+        return 0
     documents, size = write_python_docs(args.output)
     print(f"wrote {args.output}: {documents} documents, {size / 1e6:.2f} MB (Python documentation, PSF licence)")
     return 0
@@ -208,15 +213,23 @@ def _under_launcher() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`train` and `finetune` (the same loop; finetune sets data.task=text_to_text)."""
     import os
 
+    command = args.command
     if args.nproc_per_node and not _under_launcher():
-        _check_process_count(args.config, args.overrides, args.nproc_per_node)
-        return _relaunch(args.nproc_per_node, ["train", args.config, *args.overrides])
+        task = ["data.task=text_to_text"] if command == "finetune" else []
+        _check_process_count(args.config, [*task, *args.overrides], args.nproc_per_node)
+        return _relaunch(args.nproc_per_node, [command, args.config, *args.overrides])
     from t5forge.config import load_config
     from t5forge.train.trainer import train
 
-    run = load_config(args.config, args.overrides)
+    if command == "finetune":
+        from t5forge.train.finetune import load_finetune_config
+
+        run = load_finetune_config(args.config, args.overrides)
+    else:
+        run = load_config(args.config, args.overrides)
     configure_cpu_training()
     run_dir = train(run).run_dir
     # The trainer is gone by now, collected while the interpreter is fully alive: communication handles
@@ -353,9 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-size", default="5GB", help="HF output shard size (default 5GB)")
     convert.set_defaults(func=cmd_convert)
 
-    corpus = sub.add_parser("corpus", help="write a built-in text corpus")
-    corpus.add_argument("name", choices=["python-docs"],
-                        help="python-docs: standard-library docstrings + language reference (~2 MB, PSF licence)")
+    corpus = sub.add_parser("corpus", help="write a built-in text corpus or fine-tuning task")
+    corpus.add_argument("name", choices=["python-docs", "python-functions"],
+                        help="python-docs: standard-library docstrings + language reference (~2 MB, PSF licence); "
+                             "python-functions: JSONL task, a docstring's first sentence -> the function's name")
     corpus.add_argument("--output", required=True, metavar="FILE")
     corpus.set_defaults(func=cmd_corpus)
 
@@ -393,6 +407,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start N processes on this machine (torchrun --standalone); for several machines "
                             "run `torchrun ... -m t5forge train` on each (see README)")
     train.set_defaults(func=cmd_train)
+
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune on a text-to-text task (JSONL input/target lines), scored by generation",
+        description="As `train`, with data.task=text_to_text: CONFIG names model.path (an HF directory or a "
+                    "t5forge run), data.train_file (and valid_file), data.inputs_length and targets_length. Writes "
+                    "RUN_DIR/predictions/, the task metrics in metrics.jsonl and the best model in RUN_DIR/best.")
+    finetune.add_argument("config", metavar="CONFIG.yaml")
+    finetune.add_argument("overrides", nargs="*", metavar="key=value")
+    finetune.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine")
+    finetune.set_defaults(func=cmd_train)
 
     audit = sub.add_parser(
         "comm-audit", help="run two training steps of a layout and compare every collective of the second with "

@@ -29,12 +29,27 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # architecture fields, e.g. {num_layers: 4}
 
 
+DATA_TASKS = ("span_corruption", "text_to_text")
+
+
 @dataclass
 class DataConfig:
-    dataset: str = MISSING  # indexed dataset prefix (PREFIX.bin / PREFIX.idx)
+    task: str = "span_corruption"  # span_corruption (pretraining, `dataset`) | text_to_text (`t5forge finetune`)
+    dataset: str | None = None  # span_corruption: indexed dataset prefix (PREFIX.bin / PREFIX.idx)
     tokenizer: str = MISSING  # tokenizer directory
-    inputs_length: int = 512
-    targets_length: int | None = None  # derived from the span-corruption arithmetic; checked if given
+    inputs_length: int = 512  # text_to_text: the longest input (eos included); longer ones are cut (`truncate`)
+    # span_corruption: derived from the corruption arithmetic, checked if given; text_to_text: required, the
+    # longest target (eos included)
+    targets_length: int | None = None
+    # text_to_text: JSONL files of {input_field: ..., target_field: ...} lines; a field holds text (tokenised
+    # when the run starts) or a list of token ids (pre-tokenised). No valid_file: `split` of train_file's lines.
+    train_file: str | None = None
+    valid_file: str | None = None
+    input_field: str = "input"
+    target_field: str = "target"
+    task_prefix: str = ""  # prepended to every input text, e.g. "summarize: "
+    truncate: bool = True  # text_to_text: cut longer examples (counted in the log) or refuse them
+    packing: bool = False  # text_to_text: several examples per row, attending only within themselves
     noise_density: float = 0.15
     mean_noise_span_length: float = 3.0
     split: list[float] = field(default_factory=lambda: [0.98, 0.01, 0.01])  # train, valid, test documents
@@ -76,6 +91,20 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # floor of linear/cosine decay, as a fraction of lr
 
 
+TASK_METRICS = ("exact_match", "token_f1", "rouge_l", "bleu")
+
+
+@dataclass
+class FinetuneConfig:
+    """Evaluation by generation (text_to_text): every train.eval_period steps and at the end, the first
+    train.eval_samples validation examples are generated and scored; the best model is kept in RUN_DIR/best."""
+
+    best_metric: str = "exact_match"  # exact_match | token_f1 | rouge_l | bleu: decides RUN_DIR/best
+    num_beams: int = 1
+    max_new_tokens: int | None = None  # None: data.targets_length
+    eval_batch_size: int = 32
+
+
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)
@@ -108,6 +137,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 _CHOICES = {
@@ -116,6 +146,8 @@ _CHOICES = {
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.pp_schedule": PP_SCHEDULES,
+    "data.task": DATA_TASKS,
+    "finetune.best_metric": TASK_METRICS,
 }
 
 
@@ -227,5 +259,21 @@ def check_config(run: RunConfig) -> None:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
     if min(p.dp, p.tp, p.pp) < 1:
         raise ConfigError(f"parallel.dp, tp and pp must be >= 1, got {p.dp}, {p.tp}, {p.pp}")
-    if len(run.data.split) != 3:
-        raise ConfigError(f"data.split must be three numbers (train, valid, test), got {run.data.split}")
+    d = run.data
+    if len(d.split) != 3:
+        raise ConfigError(f"data.split must be three numbers (train, valid, test), got {d.split}")
+    if d.task == "span_corruption":
+        if d.dataset is None:
+            raise ConfigError("data.dataset must be set (an indexed dataset prefix from `t5forge preprocess`)")
+        if d.packing:
+            raise ConfigError("data.packing is for data.task=text_to_text; span corruption fills every row already")
+    else:
+        if d.train_file is None:
+            raise ConfigError("data.task=text_to_text needs data.train_file (a JSONL file of input/target lines)")
+        if d.targets_length is None or d.targets_length < 2 or d.inputs_length < 2:
+            raise ConfigError(f"data.task=text_to_text needs data.targets_length (the longest target in tokens, "
+                              f"eos included, >= 2) and data.inputs_length >= 2; got {d.targets_length} and "
+                              f"{d.inputs_length}")
+    f = run.finetune
+    if f.num_beams < 1 or f.eval_batch_size < 1 or (f.max_new_tokens is not None and f.max_new_tokens < 1):
+        raise ConfigError("finetune.num_beams, eval_batch_size and max_new_tokens must be >= 1")

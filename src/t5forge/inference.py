@@ -8,7 +8,6 @@ with the prediction (written atomically)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -89,29 +88,20 @@ def load_sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.P
 
 def read_jsonl_inputs(path: str | os.PathLike, field: str) -> list[str]:
     """The `field` of every line of a JSONL file; a bad line is named by file and line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--input {path} does not exist")
+    from t5forge.data.text_to_text import read_jsonl
+
     texts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number} is not JSON ({e.msg}); one JSON object per line") from None
-        if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise ConfigError(f"{path}:{number} has no string field {field!r}; set the field with --input-field")
+    for number, record in read_jsonl(path, (field,), "set the field with --input-field"):
+        if not isinstance(record[field], str):
+            raise ConfigError(f"{path}:{number}: field {field!r} is not a string; set the field with --input-field")
         texts.append(record[field])
     return texts
 
 
-def generate_texts(model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, texts: list[str],
-                   batch_size: int = 8, max_input_tokens: int = 512, truncate: bool = False,
-                   on_batch: Callable[[int], None] | None = None, **settings) -> tuple[list, dict]:
-    """Predictions for `texts` (a list of num_return_sequences texts each when that is > 1) and the
-    throughput {generated_tokens, seconds, tokens_per_s}. An input of more than `max_input_tokens` tokens
-    (eos included) is refused, or cut there with `truncate`. `settings`: models/generate.py."""
+def encode_inputs(tokenizer: T5Tokenizer, texts: list[str], max_input_tokens: int = 512,
+                  truncate: bool = False) -> list[list[int]]:
+    """Token ids of each text with eos. An input of more than `max_input_tokens` tokens (eos included) is
+    refused, or cut there with `truncate`."""
     encoded = []
     for i, text in enumerate(texts):
         ids = tokenizer.encode(text)
@@ -123,6 +113,15 @@ def generate_texts(model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, te
                                   f"{max_input_tokens}; raise it, or pass --truncate to cut inputs there")
             ids = ids[:max_input_tokens - 1]
         encoded.append(ids + [tokenizer.eos_id])
+    return encoded
+
+
+def generate_from_ids(model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, encoded: list[list[int]],
+                      batch_size: int = 8, on_batch: Callable[[int], None] | None = None,
+                      **settings) -> tuple[list, dict]:
+    """Predictions for inputs given as token ids (eos included): a text each, or a list of
+    num_return_sequences texts each when that is > 1; and the throughput {generated_tokens, seconds,
+    tokens_per_s}. Batches of `batch_size` inputs, right-padded. `settings`: models/generate.py."""
     device = next(model.parameters()).device
     per_input = settings.get("num_return_sequences", 1)
     predictions, generated, start = [], 0, time.perf_counter()
@@ -146,3 +145,11 @@ def generate_texts(model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, te
     seconds = time.perf_counter() - start
     return predictions, {"generated_tokens": generated, "seconds": seconds,
                          "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+
+
+def generate_texts(model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, texts: list[str],
+                   batch_size: int = 8, max_input_tokens: int = 512, truncate: bool = False,
+                   on_batch: Callable[[int], None] | None = None, **settings) -> tuple[list, dict]:
+    """`generate_from_ids` for texts (see `encode_inputs` for the length limit)."""
+    return generate_from_ids(model, tokenizer, encode_inputs(tokenizer, texts, max_input_tokens, truncate),
+                             batch_size, on_batch, **settings)

@@ -26,7 +26,8 @@ def _clean(text: str) -> str:
     return "\n".join(line for line in lines if line.strip())
 
 
-def _stdlib_docstrings() -> Iterator[str]:
+def _stdlib_documented() -> Iterator[tuple[ast.AST, str]]:
+    """(module, class or function node, its docstring) of the standard library, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
@@ -39,7 +40,12 @@ def _stdlib_docstrings() -> Iterator[str]:
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc:
-                        yield doc
+                        yield node, doc
+
+
+def _stdlib_docstrings() -> Iterator[str]:
+    for _, doc in _stdlib_documented():
+        yield doc
 
 
 def _language_reference() -> Iterator[str]:
@@ -69,3 +75,34 @@ def write_python_docs(output: str | os.PathLike) -> tuple[int, int]:
     text = "\n\n".join(documents) + "\n"
     write_text_atomic(output, text)
     return len(documents), len(text.encode("utf-8"))
+
+
+def python_function_names(min_words: int = 4) -> list[dict[str, str]]:
+    """A text-to-text task from the same docstrings: {"input": the first sentence of a public function's
+    docstring, "target": the function's name}, e.g. "Return the number of items in the queue." -> "qsize".
+    A sentence documenting several functions is kept once (its first function), so that every input has
+    one answer; the pairs are shuffled with a fixed seed, so that any contiguous split is a random one."""
+    import random
+
+    seen, pairs = set(), []
+    for node, doc in _stdlib_documented():
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+        sentence = re.split(r"(?<=[.!?])\s+(?=[A-Z])", paragraph)[0]  # not at "i.e. the"
+        if len(re.findall(r"[A-Za-z]+", sentence)) < min_words or sentence in seen:
+            continue
+        seen.add(sentence)
+        pairs.append({"input": sentence, "target": node.name})
+    random.Random(0).shuffle(pairs)
+    return pairs
+
+
+def write_python_function_names(output: str | os.PathLike) -> tuple[int, int]:
+    """Write the task as JSONL; returns (examples, bytes)."""
+    import json
+
+    pairs = python_function_names()
+    text = "".join(json.dumps(pair) + "\n" for pair in pairs)
+    write_text_atomic(output, text)
+    return len(pairs), len(text.encode("utf-8"))

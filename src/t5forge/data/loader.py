@@ -40,6 +40,24 @@ def split_documents(num_documents: int, ratios: tuple[float, ...]) -> list[tuple
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
+class EpochOrder:
+    """Global sample index -> item of a dataset of `n` items: epoch index // n, and within an epoch a
+    permutation drawn from (seed, split, epoch), or the items in order when not shuffled."""
+
+    def __init__(self, n: int, seed: int, split_id: int, shuffle: bool = True):
+        self.n, self.seed, self.split_id, self.shuffle = n, seed, split_id, shuffle
+        self._permutation: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, index: int) -> int:
+        epoch, position = divmod(index, self.n)
+        if not self.shuffle:
+            return position
+        if self._permutation is None or self._permutation[0] != epoch:
+            rng = np.random.default_rng([self.seed, self.split_id, epoch, 0x5EED])
+            self._permutation = (epoch, rng.permutation(self.n))
+        return int(self._permutation[1][position])
+
+
 class SpanCorruptionDataset(Dataset):
     """Global sample index -> {"input_ids": [inputs_length], "labels": [targets_length]} (int64 numpy)."""
 
@@ -54,18 +72,11 @@ class SpanCorruptionDataset(Dataset):
         token_end = int(indexed.offsets[last_seq])
         self.num_chunks = (token_end - self.token_begin) // corruption.tokens_length
         self.split = split
-        self._permutation: tuple[int, np.ndarray] | None = None
+        self._chunk_of = EpochOrder(self.num_chunks, seed, self.split_id)
 
     def __len__(self) -> int:
         """Samples in one epoch (indices beyond it continue into later epochs)."""
         return self.num_chunks
-
-    def _chunk_of(self, index: int) -> int:
-        epoch, position = divmod(index, self.num_chunks)
-        if self._permutation is None or self._permutation[0] != epoch:
-            rng = np.random.default_rng([self.seed, self.split_id, epoch, 0x5EED])
-            self._permutation = (epoch, rng.permutation(self.num_chunks))
-        return int(self._permutation[1][position])
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if self.num_chunks == 0:
@@ -144,14 +155,14 @@ class PretrainingSampler(Sampler[list[int]]):
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Stack into int64 tensors; pretraining has no padding, so the attention mask is all ones."""
-    input_ids = torch.from_numpy(np.stack([s["input_ids"] for s in samples]))
-    labels = torch.from_numpy(np.stack([s["labels"] for s in samples]))
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+    """Stack into int64 tensors; without an attention mask (pretraining has no padding) it is all ones."""
+    batch = {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}
+    batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+    return batch
 
 
 def build_loader(
-    dataset: SpanCorruptionDataset, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
+    dataset: Dataset, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
     dp_size: int = 1, total_samples: int | None = None, num_workers: int = 2, prefetch_factor: int = 4,
     pin_memory: bool = False,
 ) -> DataLoader:

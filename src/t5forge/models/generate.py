@@ -132,12 +132,27 @@ class _Decoder:
         return logits[:, -1, :].float()
 
 
+def _stop(done: bool, group) -> bool:
+    """Whether to stop decoding: this batch is done, and with a `group`, every rank's batch is (ranks whose
+    forward passes communicate, as under FSDP, must run the same number of decoder steps)."""
+    if group is None:
+        return done
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([0 if done else 1], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return not bool(flag.item())
+
+
 @torch.no_grad()
 def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, **settings) -> torch.Tensor:
+             generator: torch.Generator | None = None, stop_group=None, **settings) -> torch.Tensor:
     """Token ids [batch x num_return_sequences, length], each row beginning with decoder_start_token_id and
     padded with pad_token_id after its end. `settings`: see GenerationSettings. Sampling draws from
-    `generator` (default: torch's global generator, as transformers does)."""
+    `generator` (default: torch's global generator, as transformers does). With a `stop_group` (a process
+    group), decoding goes on until every rank of it is done: for models whose forward pass communicates
+    over ranks with different inputs (FSDP); a finished batch then only gains padding at its end."""
     s = GenerationSettings(**settings)
     s.validate()
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
@@ -146,13 +161,14 @@ def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attenti
     model.eval()
     try:
         if s.num_beams > 1:
-            return _beam_search(model, input_ids, attention_mask, s, generator)
-        return _greedy_or_sample(model, input_ids, attention_mask, s, generator)
+            return _beam_search(model, input_ids, attention_mask, s, generator, stop_group)
+        return _greedy_or_sample(model, input_ids, attention_mask, s, generator, stop_group)
     finally:
         model.train(was_training)
 
 
-def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, generator) -> torch.Tensor:
+def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, generator,
+                      stop_group=None) -> torch.Tensor:
     cfg = model.config
     rows = input_ids.shape[0] * s.num_return_sequences
     decoder = _Decoder(model, input_ids, attention_mask, s.num_return_sequences)
@@ -167,12 +183,13 @@ def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, g
         next_tokens = torch.where(unfinished, next_tokens, cfg.pad_token_id)
         sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
         unfinished &= next_tokens != cfg.eos_token_id
-        if not unfinished.any():  # one host read per token, as in transformers
+        if _stop(not unfinished.any(), stop_group):  # one host read per token, as in transformers
             break
     return sequences
 
 
-def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, generator) -> torch.Tensor:
+def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, generator,
+                 stop_group=None) -> torch.Tensor:
     """transformers' vectorised beam search (`_beam_search` and its helpers), for one eos token."""
     cfg = model.config
     batch, beams, device = input_ids.shape[0], s.num_beams, input_ids.device
@@ -202,7 +219,7 @@ def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, genera
         return torch.gather(tensor, 1, index.expand(*index.shape[:2], *tensor.shape[2:]))
 
     cur_len = prompt_len
-    while True:
+    while cur_len < max_length:
         flat = running[:, :, :cur_len].reshape(batch * beams, cur_len)
         log_probs = F.log_softmax(decoder.next_logits(flat[:, -1:]), dim=-1)
         log_probs = process_scores(log_probs, flat, s, cfg.eos_token_id, min_tokens_to_keep=2)
@@ -252,7 +269,7 @@ def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, genera
         worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True)[0], NEG_INF)
         improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
         open_beams = not (bool(is_finished.all()) and s.early_stopping is True)
-        if not (bool(improvable.any()) and open_beams and not bool(hits_stop.all())):
+        if _stop(not (bool(improvable.any()) and open_beams and not bool(hits_stop.all())), stop_group):
             break
 
     out = finished_sequences[:, :s.num_return_sequences].reshape(batch * s.num_return_sequences, max_length)

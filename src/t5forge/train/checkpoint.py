@@ -317,11 +317,12 @@ class CheckpointManager:
         self.echo(f"saved checkpoint {path}")
         return path
 
-    def export_hf(self, model, config, tokenizer_dir: str | os.PathLike | None = None, mesh=None) -> Path | None:
+    def export_hf(self, model, config, tokenizer_dir: str | os.PathLike | None = None, mesh=None,
+                  name: str = "hf") -> Path | None:
         """Gather the model one parameter at a time from any layout (collective; pipeline stages send theirs
-        to rank 0) and write RUN_DIR/hf on rank 0, with the tokenizer files, holding at most one shard in
-        memory."""
-        if not self.run.train.export_hf:
+        to rank 0) and write RUN_DIR/`name` on rank 0, with the tokenizer files, holding at most one shard in
+        memory. The final export (RUN_DIR/hf) is skipped with train.export_hf=false."""
+        if name == "hf" and not self.run.train.export_hf:
             return None
         from t5forge.fileio import atomic_directory
         from t5forge.models.hf import save_pretrained_streamed
@@ -335,7 +336,7 @@ class CheckpointManager:
         else:
             sizes = {unwrap_name(name): p.numel() * p.element_size() for name, p in model.named_parameters()}
             tensors = full_parameters(model)
-        target = self.run_dir / "hf"
+        target = self.run_dir / name
         if not main:
             for _ in tensors:  # take part in every gather
                 pass

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from t5forge.config import RunConfig, batch_arithmetic, to_yaml
 from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
 from t5forge.data.spans import compute_input_and_target_lengths
+from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import HFTensorReader
@@ -90,12 +91,23 @@ class TrainState:
 
 
 # -- building blocks -------------------------------------------------------------------------------------
+def hf_model_dir(path: str | Path) -> Path:
+    """model.path as an HF directory: itself, or the HF export (RUN_DIR/hf) of a t5forge run directory."""
+    path = Path(path)
+    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        if not (path / "hf" / "config.json").is_file():
+            raise CheckpointError(f"{path} is a t5forge run without an HF export ({path}/hf): export its latest "
+                                  f"checkpoint with `t5forge convert {path}/checkpoints/latest DIR` and start from DIR")
+        return path / "hf"
+    return path
+
+
 def build_model_config(run: RunConfig) -> T5Config:
     m = run.model
     if m.path is not None:
         from t5forge.models.hf import config_from_hf, read_hf_config
 
-        base = config_from_hf(read_hf_config(m.path))
+        base = config_from_hf(read_hf_config(hf_model_dir(m.path)))
     else:
         base = get_preset(m.preset)
     values = {**base.to_dict(), **dict(m.overrides)}
@@ -119,7 +131,7 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     p = run.parallel
     reader = None
     if run.model.path is not None:
-        reader = HFTensorReader(run.model.path)
+        reader = HFTensorReader(hf_model_dir(run.model.path))
         try:  # the weights decide whether the head is tied
             tied = reader.check_against(config)
         except CheckpointError as e:
@@ -237,8 +249,11 @@ class Trainer:
         # Cheap checks first, on every rank, before any process group or data exists.
         self.model_config = build_model_config(run)
         d = run.data
-        _, self.targets_length = compute_input_and_target_lengths(d.inputs_length, d.noise_density,
-                                                                  d.mean_noise_span_length)
+        if d.task == "text_to_text":
+            self.targets_length = d.targets_length
+        else:
+            _, self.targets_length = compute_input_and_target_lengths(d.inputs_length, d.noise_density,
+                                                                      d.mean_noise_span_length)
         check_layout(run.parallel, self.model_config, d.inputs_length, self.targets_length, world_size_from_env())
         self.pp_layers = None
         if run.parallel.pp > 1:
@@ -279,9 +294,13 @@ class Trainer:
         self.checkpoints = ckpt.CheckpointManager(run, echo=self.echo)
         resume_from = self.checkpoints.resume_point()
 
-        self.data: PretrainingData = build_pretraining_data(
-            d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
-            mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
+        self.data: PretrainingData | TextToTextData
+        if d.task == "text_to_text":
+            self.data = build_text_to_text_data(d, seed=run.train.seed, echo=self.echo)
+        else:
+            self.data = build_pretraining_data(
+                d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
+                mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
         if self.data.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.data.tokenizer.vocab_size} ids but the model's vocab_size is "
@@ -754,9 +773,14 @@ class PlotHook(Hook):
 def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
     writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo,
                            enabled=trainer.mesh.is_main)
-    # Order matters at the end: evaluate, then save and export, then plot what was logged.
-    return [ProgressHook(trainer), LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer),
-            PlotHook(trainer, writer)]
+    # Order matters at the end: evaluate, then save and export, (evaluate by generation, which may use the
+    # export), then plot what was logged.
+    hooks = [ProgressHook(trainer), LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer)]
+    if trainer.run.data.task == "text_to_text":
+        from t5forge.train.finetune import GenerationEvalHook
+
+        hooks.append(GenerationEvalHook(trainer, writer))
+    return [*hooks, PlotHook(trainer, writer)]
 
 
 def train(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
