@@ -80,6 +80,18 @@ TWO_RANKS = {
     "init_dp2_zero3": "parallel.dp=2;parallel.zero_stage=3;initial_only=1",
     "hf_tp2": f"{FROM_HF};parallel.tp=2;initial_only=1",
 }
+# Fine-tuning on a text-to-text task, evaluated by generation before and after its 3 steps (25 examples:
+# an uneven share over dp ranks). A pipelined model is evaluated at the end, from its HF export.
+FINETUNE = ["data.task=text_to_text", "data.train_file=OUT/task.jsonl", "data.inputs_length=32",
+            "data.targets_length=12", "data.split=[0.8,0.2,0]", "train.eval_samples=25", "train.export_hf=true",
+            "finetune.best_metric=token_f1"]
+FINETUNE_LAYOUTS = {
+    "ft_dp2": "parallel.dp=2",
+    "ft_dp2_zero3": "parallel.dp=2;parallel.zero_stage=3;train.micro_batch_size=2",  # decoding stops together
+    "ft_tp2": "parallel.tp=2",
+    "ft_pp2": "parallel.pp=2",
+}
+TWO_RANKS.update({name: ";".join([*FINETUNE, spec]) for name, spec in FINETUNE_LAYOUTS.items()})
 TIED = ["model.preset=t5-small"]
 
 
@@ -116,7 +128,11 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     with Trainer(load_config(None, base_overrides(dataset_prefix, tokenizer_dir, str(out / "initial"))),
                  echo=lambda *_: None) as trainer:
         reference["initial"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED)):
+    from t5forge.data.corpus import python_function_names
+
+    (out / "task.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in python_function_names()[:200]))
+    finetune = [o.replace("OUT", str(out)) for o in FINETUNE]
+    for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED), ("finetune", 3, finetune)):
         overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))
         trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}", *extra]), echo=lambda *_: None,
                         tensorboard=False)
@@ -141,7 +157,7 @@ def relative_difference(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS}
-                                    if not n.startswith(("save", "resume", "init", "hf", "audit", "injected"))])
+                                    if not n.startswith(("save", "resume", "init", "hf", "audit", "injected", "ft"))])
 def test_layout_trains_like_one_process(layout, results):
     out, reference = results
     losses, weights = reference["tied" if layout.startswith("tied") else 3]
@@ -158,6 +174,36 @@ def test_layout_trains_like_one_process(layout, results):
     single = grad_norms("single_tied" if layout.startswith("tied") else "single_3")
     assert norms and set(norms) <= set(single), (norms, single)
     assert relative_difference([norms[i] for i in sorted(norms)], [single[i] for i in sorted(norms)]) < 1e-5
+
+
+@pytest.mark.parametrize("layout", list(FINETUNE_LAYOUTS))
+def test_finetuning_trains_and_generates_like_one_process(layout, results):
+    out, reference = results
+    losses, weights = reference["finetune"]
+    assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
+    for name, tensor in load_file(out / f"{layout}.safetensors").items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
+
+    def predictions(run: str, iteration: int) -> list[dict]:
+        path = out / run / "predictions" / f"iter_{iteration:07d}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def generation_scores(run: str) -> dict[int, dict]:
+        return {r["iteration"]: {k: v for k, v in r.items() if k.startswith("valid_") and k != "valid_loss"}
+                for r in read_metrics(out / run / "metrics.jsonl") if "valid_token_f1" in r}
+
+    # The same 25 examples, in the same order, generated into the same texts and scores, before (except
+    # for the pipeline, which is evaluated at the end only) and after fine-tuning.
+    iterations = [3] if layout == "ft_pp2" else [0, 3]
+    single = generation_scores("single_finetune")
+    assert sorted(single) == [0, 3] and sorted(generation_scores(layout)) == iterations
+    for iteration in iterations:
+        expected = predictions("single_finetune", iteration)
+        assert len(expected) == 25 and predictions(layout, iteration) == expected, (layout, iteration)
+        assert generation_scores(layout)[iteration] == single[iteration]
+    best = json.loads((out / layout / "best" / "best.json").read_text())
+    assert best["metric"] == "token_f1" and best["iteration"] in iterations
+    assert (out / layout / "best" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("layout", ["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"])

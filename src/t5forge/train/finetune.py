@@ -113,7 +113,13 @@ class GenerationEvalHook(Hook):
         real = len(mine)
         mine = mine + [self.examples[-1]] * (per_rank - real)  # equal counts on every dp rank
         fsdp = t.run.parallel.zero_stage >= 2
-        if fsdp:  # the root's parameters (embedding, head, final norms): gathered for the whole generation
+        if fsdp:
+            # FSDP sets itself up in the root module's first forward pass, and generation calls the encoder and
+            # decoder directly: one token through the root first (it leaves the root's parameters gathered:
+            # embedding, head and final norms, for the whole generation).
+            token = torch.full((1, 1), t.data.tokenizer.eos_id, device=t.device)
+            with torch.no_grad(), autocast(t.device, t.run.precision.dtype):
+                t.model(input_ids=token, decoder_input_ids=token)
             t.model.unshard()
         try:
             with autocast(t.device, t.run.precision.dtype):

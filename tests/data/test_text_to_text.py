@@ -1,0 +1,94 @@
+"""Text-to-text fine-tuning data: JSONL reading (text or token ids, task prefix), lengths, padding, order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from t5forge.config import load_config
+from t5forge.data.loader import build_loader
+from t5forge.data.text_to_text import build_text_to_text_data, fit_lengths, read_examples
+from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.errors import ConfigError
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_texts_are_tokenised_with_prefix_and_eos_and_id_lists_pass_through(tmp_path, tokenizer_dir):
+    tok = T5Tokenizer(tokenizer_dir)
+    ids = tok.encode("return the path")
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"question": "Return the absolute path.", "answer": "abspath"},
+        "",  # blank lines are skipped
+        {"question": ids, "answer": ids + [tok.eos_id]},  # pre-tokenised (a trailing eos is not doubled)
+    ])
+    first, second = read_examples(path, tok, "question", "answer", task_prefix="name: ")
+    assert first.input_ids == tok.encode("name: Return the absolute path.") + [tok.eos_id]
+    assert first.target_ids == tok.encode("abspath") + [tok.eos_id]
+    assert (first.input, first.target, first.source) == ("name: Return the absolute path.", "abspath", f"{path}:1")
+    assert second.input_ids == ids + [tok.eos_id] and second.target_ids == ids + [tok.eos_id]
+    assert second.target == tok.decode(ids).strip() and second.source == f"{path}:3"
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"input": "x"}, r"t.jsonl:2 has no field 'target'; set data.input_field / data.target_field"),
+    ("not json", r"t.jsonl:2 is not JSON"),
+    ({"input": "", "target": "x"}, r"t.jsonl:2: the input is empty"),
+    ({"input": 3, "target": "x"}, r"t.jsonl:2: field 'input' must be a string or a list of token ids"),
+    ({"input": [1, 99999], "target": "x"}, r"t.jsonl:2: field 'input' holds token ids outside"),
+])
+def test_bad_lines_are_named_by_file_and_line(tmp_path, tokenizer_dir, line, message):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input": "fine", "target": "ok"}, line])
+    with pytest.raises(ConfigError, match=message):
+        read_examples(path, T5Tokenizer(tokenizer_dir))
+
+
+def test_long_examples_are_cut_keeping_eos_or_refused(tmp_path, tokenizer_dir):
+    tok = T5Tokenizer(tokenizer_dir)
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input": "one two three four five six seven eight", "target": "a b"},
+                                              {"input": "short", "target": "x"}])
+    examples = read_examples(path, tok)
+    said = []
+    cut = fit_lengths(examples, inputs_length=4, targets_length=8, truncate=True, echo=said.append)
+    assert cut[0].input_ids == examples[0].input_ids[:3] + [tok.eos_id] and cut[1] == examples[1]
+    assert said == ["warning: cut 1 of 2 inputs to data.inputs_length=4 and 0 targets to data.targets_length=8 tokens"]
+    with pytest.raises(ConfigError, match=r"t.jsonl:1: the input has \d+ tokens .* more than data.inputs_length=4"):
+        fit_lengths(examples, inputs_length=4, targets_length=8, truncate=False)
+
+
+def test_rows_are_padded_the_train_split_reshuffled_per_epoch_and_valid_kept_in_order(tmp_path, tokenizer_dir):
+    records = [{"input": f"sentence number {i} " + "word " * (i % 5), "target": f"name{i}"} for i in range(20)]
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    run = load_config(None, ["model.preset=t5-small", "train.output_dir=x", "train.max_steps=1",
+                             "data.task=text_to_text", f"data.train_file={path}", f"data.tokenizer={tokenizer_dir}",
+                             "data.inputs_length=16", "data.targets_length=6", "data.split=[0.8,0.2,0]"])
+    data = build_text_to_text_data(run.data, seed=1)
+    assert (len(data.train), len(data.valid), len(data.test)) == (16, 4, 0)
+    assert [e.target for e in data.valid.examples] == [f"name{i}" for i in range(16, 20)]
+    sample = data.valid[0]
+    n = len(data.valid.examples[0].input_ids)
+    assert sample["input_ids"].shape == (16,) and sample["labels"].shape == (6,)
+    assert sample["attention_mask"].tolist() == [1] * n + [0] * (16 - n)
+    assert (sample["input_ids"][n:] == 0).all() and (sample["labels"] == -100).sum() == 6 - len(
+        data.valid.examples[0].target_ids)
+    epoch = [data.train.order(i) for i in range(16)]
+    next_epoch = [data.train.order(i) for i in range(16, 32)]
+    assert sorted(epoch) == sorted(next_epoch) == list(range(16)) and epoch != next_epoch
+    assert [data.valid.order(i) for i in range(4)] == [0, 1, 2, 3]
+    batch = next(iter(build_loader(data.train, 4, num_workers=0)))
+    assert batch["input_ids"].shape == (4, 16) and batch["attention_mask"].dtype == batch["labels"].dtype
+    np.testing.assert_array_equal(batch["labels"][0].numpy(), data.train[0]["labels"])
+
+
+def test_a_split_without_examples_is_refused(tmp_path, tokenizer_dir):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input": "a b c", "target": "x"}] * 3)
+    run = load_config(None, ["model.preset=t5-small", "train.output_dir=x", "train.max_steps=1",
+                             "data.task=text_to_text", f"data.train_file={path}", f"data.tokenizer={tokenizer_dir}",
+                             "data.targets_length=6"])
+    with pytest.raises(ConfigError, match="the valid split of .* is empty .*give data.valid_file"):
+        build_text_to_text_data(run.data)
