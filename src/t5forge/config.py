@@ -270,6 +270,9 @@ def check_config(run: RunConfig) -> None:
     else:
         if d.train_file is None:
             raise ConfigError("data.task=text_to_text needs data.train_file (a JSONL file of input/target lines)")
+        if d.packing and run.parallel.pp > 1:
+            raise ConfigError("data.packing is not built for pipeline parallelism (its stages pass padding masks "
+                              "only): set data.packing=false or parallel.pp=1")
         if d.targets_length is None or d.targets_length < 2 or d.inputs_length < 2:
             raise ConfigError(f"data.task=text_to_text needs data.targets_length (the longest target in tokens, "
                               f"eos included, >= 2) and data.inputs_length >= 2; got {d.targets_length} and "

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from t5forge.config import load_config
-from t5forge.data.loader import build_loader
-from t5forge.data.text_to_text import build_text_to_text_data, fit_lengths, read_examples
+from t5forge.data.loader import build_loader, collate
+from t5forge.data.text_to_text import (
+    TextToTextDataset,
+    build_text_to_text_data,
+    fit_lengths,
+    pack,
+    read_examples,
+)
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
 
@@ -92,3 +98,40 @@ def test_a_split_without_examples_is_refused(tmp_path, tokenizer_dir):
                              "data.targets_length=6"])
     with pytest.raises(ConfigError, match="the valid split of .* is empty .*give data.valid_file"):
         build_text_to_text_data(run.data)
+
+
+@pytest.mark.parametrize("preset", ["t5-v1_1-small", "t5-small", "umt5-small"])
+def test_packed_rows_give_every_target_token_the_logits_it_gets_alone(tmp_path, tokenizer_dir, preset):
+    import torch
+
+    from t5forge.models.presets import get_preset
+    from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+    from t5forge.train.trainer import model_inputs
+
+    tok = T5Tokenizer(tokenizer_dir)
+    records = [{"input": "word " * (3 + i % 7) + str(i), "target": "name " * (1 + i % 3)} for i in range(12)]
+    examples = read_examples(write_jsonl(tmp_path / "t.jsonl", records), tok)
+    padded = TextToTextDataset(examples, 24, 8, tok.pad_id, seed=0, split="valid")
+    packed = TextToTextDataset(examples, 24, 8, tok.pad_id, seed=0, split="valid", packing=True)
+    assert len(packed) < len(padded) == 12
+    assert max(len(row) for row in pack(examples, 24, 8)) >= 2  # rows do hold several examples
+    config = T5Config(**{**get_preset(preset).to_dict(), "vocab_size": 2176, "d_model": 32, "d_ff": 48, "d_kv": 8,
+                         "num_heads": 4, "num_layers": 2, "num_decoder_layers": 3, "dropout_rate": 0.0},
+                      extra=get_preset(preset).extra)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config).eval()
+
+    def logits_and_labels(dataset):
+        batch = collate([dataset[i] for i in range(len(dataset))])
+        logits = model(**model_inputs(model, batch)).logits
+        return logits[batch["labels"] != -100], batch["labels"][batch["labels"] != -100]
+
+    with torch.no_grad():
+        alone, alone_labels = logits_and_labels(padded)
+        together, together_labels = logits_and_labels(packed)
+    # Rows are filled in order, so the target tokens come in the same order either way.
+    assert torch.equal(alone_labels, together_labels)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    batch = collate([packed[i] for i in range(len(packed))])
+    loss = model(**model_inputs(model, batch), labels=batch["labels"], return_logits=False).loss_sum
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(alone, alone_labels, reduction="sum"))

@@ -5,11 +5,12 @@ the communication model work unchanged).
 A field holds text, tokenised when the run starts (with the optional task prefix before the input), or a
 list of token ids (pre-tokenised; used as they are). Inputs and targets end with eos. An example longer
 than data.inputs_length / data.targets_length is cut there (eos kept; counted in the log) or refused
-(`data.truncate=false`). Rows are padded (pad id in the inputs, -100 in the labels), one example per row.
+(`data.truncate=false`). Rows are padded (pad id in the inputs, -100 in the labels).
 
 Order: the train split is shuffled anew each epoch (global sample g -> epoch g // n, as in pretraining,
 so the resumable sampler of data/loader.py serves it); the valid and test splits keep the file order, so
-an evaluation always sees the same first examples."""
+an evaluation always sees the same first examples. With data.packing, a row holds as many consecutive
+examples as fit, each attending only to itself (`TextToTextDataset`)."""
 
 from __future__ import annotations
 
@@ -128,33 +129,68 @@ def fit_lengths(examples: list[Example], inputs_length: int, targets_length: int
     return fitted
 
 
+def pack(examples: list[Example], inputs_length: int, targets_length: int) -> list[list[int]]:
+    """Rows of example indices, filled in order: an example joins the current row while both its input and
+    its target still fit, else it starts the next row."""
+    rows: list[list[int]] = []
+    used_inputs = used_targets = 0
+    for i, e in enumerate(examples):
+        if not rows or used_inputs + len(e.input_ids) > inputs_length or \
+                used_targets + len(e.target_ids) > targets_length:
+            rows.append([])
+            used_inputs = used_targets = 0
+        rows[-1].append(i)
+        used_inputs += len(e.input_ids)
+        used_targets += len(e.target_ids)
+    return rows
+
+
 class TextToTextDataset(Dataset):
-    """Global sample index -> {"input_ids", "attention_mask": [inputs_length], "labels": [targets_length]}
-    (int64 numpy), one padded example per row."""
+    """Global sample index -> a row: {"input_ids", "attention_mask": [inputs_length], "labels":
+    [targets_length]} (int64 numpy), one padded example per row.
+
+    Packed (`packing`): as many consecutive examples per row as fit (see `pack`), with
+    "encoder_segment_ids" / "decoder_segment_ids" (1, 2, ... per example, 0 for padding) for the model's
+    masks and "decoder_input_ids" (each example's targets shifted right on their own, starting with
+    `decoder_start_id`); the loss is the same sum over the same target tokens, in fewer rows."""
 
     def __init__(self, examples: list[Example], inputs_length: int, targets_length: int, pad_id: int, seed: int,
-                 split: str):
-        self.examples, self.split = examples, split
-        n = len(examples)
-        self.input_ids = np.full((n, inputs_length), pad_id, dtype=np.int64)
-        self.attention_mask = np.zeros((n, inputs_length), dtype=np.int64)
-        self.labels = np.full((n, targets_length), -100, dtype=np.int64)
-        for i, e in enumerate(examples):
-            self.input_ids[i, :len(e.input_ids)] = e.input_ids
-            self.attention_mask[i, :len(e.input_ids)] = 1
-            self.labels[i, :len(e.target_ids)] = e.target_ids
+                 split: str, packing: bool = False, decoder_start_id: int = 0):
+        self.examples, self.split, self.packing = examples, split, packing
+        rows = pack(examples, inputs_length, targets_length) if packing else [[i] for i in range(len(examples))]
+        n = len(rows)
+        self.arrays = {"input_ids": np.full((n, inputs_length), pad_id, dtype=np.int64),
+                       "attention_mask": np.zeros((n, inputs_length), dtype=np.int64),
+                       "labels": np.full((n, targets_length), -100, dtype=np.int64)}
+        if packing:
+            self.arrays.update(encoder_segment_ids=np.zeros((n, inputs_length), dtype=np.int64),
+                               decoder_segment_ids=np.zeros((n, targets_length), dtype=np.int64),
+                               decoder_input_ids=np.full((n, targets_length), pad_id, dtype=np.int64))
+        a = self.arrays
+        for r, members in enumerate(rows):
+            source = target = 0
+            for segment, i in enumerate(members, start=1):
+                e = self.examples[i]
+                inputs, targets = slice(source, source + len(e.input_ids)), slice(target, target + len(e.target_ids))
+                a["input_ids"][r, inputs] = e.input_ids
+                a["attention_mask"][r, inputs] = 1
+                a["labels"][r, targets] = e.target_ids
+                if packing:
+                    a["encoder_segment_ids"][r, inputs] = segment
+                    a["decoder_segment_ids"][r, targets] = segment
+                    a["decoder_input_ids"][r, targets] = [decoder_start_id, *e.target_ids[:-1]]
+                source, target = inputs.stop, targets.stop
         self.order = EpochOrder(n, seed, SPLITS.index(split), shuffle=split == "train")
 
     def __len__(self) -> int:
-        """Samples in one epoch (indices beyond it continue into later epochs)."""
-        return len(self.examples)
+        """Rows in one epoch (indices beyond it continue into later epochs)."""
+        return len(self.arrays["input_ids"])
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        if not self.examples:
+        if len(self) == 0:
             raise IndexError(f"the {self.split} split has no examples")
         row = self.order(index)
-        return {"input_ids": self.input_ids[row], "attention_mask": self.attention_mask[row],
-                "labels": self.labels[row]}
+        return {key: array[row] for key, array in self.arrays.items()}
 
 
 @dataclass
@@ -186,6 +222,8 @@ def build_text_to_text_data(data_config, seed: int = 1234, echo=print) -> TextTo
         if not splits[name]:
             raise ConfigError(f"the {name} split of {d.train_file} is empty ({len(train)} examples, data.split="
                               f"{list(d.split)}); give data.valid_file or more examples")
-    datasets = {name: TextToTextDataset(examples, d.inputs_length, d.targets_length, tokenizer.pad_id, seed, name)
+    # T5 starts decoding with its pad id (decoder_start_token_id; the trainer checks the model agrees).
+    datasets = {name: TextToTextDataset(examples, d.inputs_length, d.targets_length, tokenizer.pad_id, seed, name,
+                                        packing=d.packing, decoder_start_id=tokenizer.pad_id)
                 for name, examples in splits.items()}
     return TextToTextData(**datasets, tokenizer=tokenizer)

@@ -410,14 +410,23 @@ class T5Stack(nn.Module):
     def attention_masks(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
         encoder_attention_mask: torch.Tensor | None = None, past_length: int = 0,
+        segment_ids: torch.Tensor | None = None, encoder_segment_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Additive masks in the dtype of `hidden_states` [batch, len, d_model]: self-attention [batch or 1, 1,
-        len, past_length + len] (padding, and causality in the decoder; `attention_mask` covers every key)
-        and cross-attention [batch, 1, 1, source_len]."""
+        len or 1, past_length + len] (padding, and causality in the decoder; `attention_mask` covers every
+        key) and cross-attention [batch, 1, 1 or len, source_len].
+
+        Packed rows (several examples per row) give `segment_ids` [batch, len] (and in the decoder
+        `encoder_segment_ids` [batch, source_len]): 1, 2, ... per example, 0 for padding; a position then
+        sees only the positions of its own example (padding sees padding, so that no row of the softmax is
+        empty). Relative position biases depend only on distances, so an example's attention is the same
+        packed or alone."""
         length, dtype, device = hidden_states.shape[1], hidden_states.dtype, hidden_states.device
         # Which keys each query may see, True = attend.
         keep = None
-        if attention_mask is not None:
+        if segment_ids is not None:
+            keep = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        elif attention_mask is not None:
             keep = attention_mask.bool()[:, None, None, :]
         if self.is_decoder:
             causal = torch.ones(length, past_length + length, dtype=torch.bool, device=device)
@@ -425,7 +434,9 @@ class T5Stack(nn.Module):
             keep = causal if keep is None else keep & causal
         mask = None if keep is None else additive_mask(keep, dtype)
         cross_bias = None
-        if self.is_decoder and encoder_attention_mask is not None:
+        if self.is_decoder and segment_ids is not None and encoder_segment_ids is not None:
+            cross_bias = additive_mask(segment_ids[:, None, :, None] == encoder_segment_ids[:, None, None, :], dtype)
+        elif self.is_decoder and encoder_attention_mask is not None:
             cross_bias = additive_mask(encoder_attention_mask.bool()[:, None, None, :], dtype)
         return mask, cross_bias
 
@@ -436,11 +447,15 @@ class T5Stack(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        segment_ids: torch.Tensor | None = None,
+        encoder_segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds [batch, len, d_model]; masks [batch, len] with 1 for real tokens, 0 for padding.
-        With a `cache` (generation: decoder only), inputs_embeds are the positions after those cached."""
+        With a `cache` (generation: decoder only), inputs_embeds are the positions after those cached.
+        Segment ids: packed rows (see attention_masks)."""
         past = 0 if cache is None else cache.length
-        mask, cross_bias = self.attention_masks(inputs_embeds, attention_mask, encoder_attention_mask, past)
+        mask, cross_bias = self.attention_masks(inputs_embeds, attention_mask, encoder_attention_mask, past,
+                                                segment_ids, encoder_segment_ids)
         hidden_states = self.dropout(inputs_embeds)
         # T5/mT5: the first block's bias is reused by every block; UMT5: each block computes its own.
         position_bias = None
@@ -549,9 +564,10 @@ class T5ForConditionalGeneration(nn.Module):
         shifted[..., 1:] = labels[..., :-1]
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [batch, source_len] -> encoder states [batch, source_len, d_model]."""
-        return self.encoder(self.shared(input_ids), attention_mask)
+        return self.encoder(self.shared(input_ids), attention_mask, segment_ids=segment_ids)
 
     def decoder_output(
         self,
@@ -560,11 +576,14 @@ class T5ForConditionalGeneration(nn.Module):
         attention_mask: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        encoder_segment_ids: torch.Tensor | None = None,
+        decoder_segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """What the LM head projects: decoder states [batch, target_len, d_model] (with a `cache`: of the
         positions after those cached; see models/generate.py)."""
         hidden_states = self.decoder(
-            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask, cache
+            self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden_states, attention_mask, cache,
+            decoder_segment_ids, encoder_segment_ids,
         )
         if self.config.scale_decoder_outputs:
             # Mesh TF rescales before projecting with the (tied) embedding matrix.
@@ -579,20 +598,28 @@ class T5ForConditionalGeneration(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool = True,
+        encoder_segment_ids: torch.Tensor | None = None,
+        decoder_segment_ids: torch.Tensor | None = None,
     ) -> Seq2SeqLMOutput:
         """input_ids [batch, source_len]; labels [batch, target_len] with -100 for ignored positions.
         Without decoder_input_ids, they are labels shifted right. `return_logits=False` (with labels, for
         training) fuses the head with the loss (models/loss.py): equal up to float rounding, and the logits
-        of the whole batch never exist."""
+        of the whole batch never exist. Packed rows (several examples each) give both segment ids
+        [batch, source_len] / [batch, target_len] (1, 2, ... per example, 0 for padding) and their own
+        decoder_input_ids (each example's targets shifted right on their own)."""
+        if (encoder_segment_ids is None) != (decoder_segment_ids is None):
+            raise ValueError("packed rows need both encoder_segment_ids and decoder_segment_ids")
+        if decoder_segment_ids is not None and decoder_input_ids is None:
+            raise ValueError("packed rows need their decoder_input_ids (shifting the whole row would join examples)")
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("pass decoder_input_ids or labels (decoder inputs are derived from labels)")
             decoder_input_ids = self.shift_right(labels)
         if not return_logits and labels is None:
             raise ValueError("return_logits=False returns only the loss: pass labels")
-        encoder_hidden_states = self.encode(input_ids, attention_mask)
+        encoder_hidden_states = self.encode(input_ids, attention_mask, encoder_segment_ids)
         hidden_states = self.decoder_output(decoder_input_ids, encoder_hidden_states, attention_mask,
-                                            decoder_attention_mask)
+                                            decoder_attention_mask, None, encoder_segment_ids, decoder_segment_ids)
         logits = loss = loss_sum = None
         if return_logits:
             logits = self.lm_head(hidden_states)

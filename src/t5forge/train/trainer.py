@@ -160,6 +160,18 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed), plan)
 
 
+PACKED_KEYS = ("decoder_input_ids", "encoder_segment_ids", "decoder_segment_ids")  # batches of packed rows
+
+
+def model_inputs(model: T5ForConditionalGeneration, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's arguments for a batch, decoder_input_ids included (from the batch when its rows are packed,
+    else the labels shifted right), labels left out."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              **{key: batch[key] for key in PACKED_KEYS if key in batch}}
+    inputs.setdefault("decoder_input_ids", model.shift_right(batch["labels"]))
+    return inputs
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over labels != -100. With vocab-parallel logits (a DTensor sharded on the
     vocabulary) call it under `loss_parallel()`: the softmax is then computed without gathering."""
@@ -221,8 +233,7 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
                 if result is not None:
                     sums += result
                 continue
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           decoder_input_ids=model.shift_right(batch["labels"])).logits
+            logits = model(**model_inputs(model, batch)).logits
             loss = scalar(token_loss_sum(logits, batch["labels"]))
         sums += torch.stack([loss.double(), (batch["labels"] != -100).sum().double(),
                              correct_predictions(logits, batch["labels"]).double()])
@@ -310,6 +321,10 @@ class Trainer:
         self.model = build_model(run, self.model_config, self.mesh, self.pp_layers)
         self.build_seconds = time.perf_counter() - start
         self.model_config = self.model.config  # the checkpoint decides whether the head is tied
+        if d.packing and self.model_config.decoder_start_token_id != self.data.tokenizer.pad_id:
+            raise ConfigError(f"data.packing starts each packed target with the pad id ({self.data.tokenizer.pad_id}), "
+                              f"but this model's decoder_start_token_id is {self.model_config.decoder_start_token_id}; "
+                              "set data.packing=false")
         self.model.train()
         # Same seed within a tensor-parallel group (its replicated activations need the same dropout
         # masks), a different one per data-parallel rank.
@@ -521,11 +536,8 @@ class Trainer:
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The summed token loss of one micro-batch, fused with the LM head or from the logits."""
         if self._fused_head_loss:
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              labels=batch["labels"], return_logits=False).loss_sum
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            decoder_input_ids=self.model.shift_right(batch["labels"])).logits
-        return token_loss_sum(logits, batch["labels"])
+            return self.model(**model_inputs(self.model, batch), labels=batch["labels"], return_logits=False).loss_sum
+        return token_loss_sum(self.model(**model_inputs(self.model, batch)).logits, batch["labels"])
 
     def _pipeline_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
                                    multiplier: torch.Tensor) -> torch.Tensor:
