@@ -398,37 +398,35 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip lines that are not UTF-8 (or not JSON records) and count them")
     pre.set_defaults(func=cmd_preprocess)
 
-    train = sub.add_parser("train", help="pretrain a T5 on an indexed dataset",
-                           description="CONFIG is a YAML run config (see configs/); each key=value "
-                                       "(dotted, e.g. train.max_steps=100) overrides it.")
-    train.add_argument("config", metavar="CONFIG.yaml")
-    train.add_argument("overrides", nargs="*", metavar="key=value")
-    train.add_argument("--nproc-per-node", type=int, metavar="N",
-                       help="start N processes on this machine (torchrun --standalone); for several machines "
-                            "run `torchrun ... -m t5forge train` on each (see README)")
-    train.set_defaults(func=cmd_train)
+    def run_command(name: str, func, help: str, description: str, nproc_help: str) -> argparse.ArgumentParser:
+        """A command over a run config: CONFIG, key=value overrides, --nproc-per-node."""
+        command = sub.add_parser(name, help=help, description=description)
+        command.add_argument("config", metavar="CONFIG.yaml")
+        command.add_argument("overrides", nargs="*", metavar="key=value")
+        command.add_argument("--nproc-per-node", type=int, metavar="N", help=nproc_help)
+        command.set_defaults(func=func)
+        return command
 
-    finetune = sub.add_parser(
-        "finetune", help="fine-tune on a text-to-text task (JSONL input/target lines), scored by generation",
-        description="As `train`, with data.task=text_to_text: CONFIG names model.path (an HF directory or a "
-                    "t5forge run), data.train_file (and valid_file), data.inputs_length and targets_length. Writes "
-                    "RUN_DIR/predictions/, the task metrics in metrics.jsonl and the best model in RUN_DIR/best.")
-    finetune.add_argument("config", metavar="CONFIG.yaml")
-    finetune.add_argument("overrides", nargs="*", metavar="key=value")
-    finetune.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine")
-    finetune.set_defaults(func=cmd_train)
-
-    audit = sub.add_parser(
-        "comm-audit", help="run two training steps of a layout and compare every collective of the second with "
-                           "the layout's analytic minimum (exit 1 when anything differs)",
-        description="CONFIG and key=value overrides as for `train` (train.output_dir is optional here); prints, per "
-                    "collective and mesh dimension, the count and bytes issued beside those required, and the "
-                    "time the step waited on them.")
-    audit.add_argument("config", metavar="CONFIG.yaml")
-    audit.add_argument("overrides", nargs="*", metavar="key=value")
-    audit.add_argument("--nproc-per-node", type=int, metavar="N", help="start N processes on this machine")
+    run_command("train", cmd_train, "pretrain a T5 on an indexed dataset",
+                "CONFIG is a YAML run config (see configs/); each key=value (dotted, e.g. train.max_steps=100) "
+                "overrides it.",
+                "start N processes on this machine (torchrun --standalone); for several machines run "
+                "`torchrun ... -m t5forge train` on each (see README)")
+    run_command("finetune", cmd_train,
+                "fine-tune on a text-to-text task (JSONL input/target lines), scored by generation",
+                "As `train`, with data.task=text_to_text: CONFIG names model.path (an HF directory or a t5forge "
+                "run), data.train_file (and valid_file), data.inputs_length and targets_length. Writes "
+                "RUN_DIR/predictions/, the task metrics in metrics.jsonl and the best model in RUN_DIR/best.",
+                "start N processes on this machine")
+    audit = run_command(
+        "comm-audit", cmd_comm_audit,
+        "run two training steps of a layout and compare every collective of the second with the layout's "
+        "analytic minimum (exit 1 when anything differs)",
+        "CONFIG and key=value overrides as for `train` (train.output_dir is optional here); prints, per "
+        "collective and mesh dimension, the count and bytes issued beside those required, and the time the "
+        "step waited on them.",
+        "start N processes on this machine")
     audit.add_argument("--json", action="store_true", help="print the report as JSON (rank 0)")
-    audit.set_defaults(func=cmd_comm_audit)
 
     evaluation = sub.add_parser("eval", help="validation/test loss, perplexity and token accuracy of a run")
     evaluation.add_argument("run_dir", metavar="RUN_DIR")

@@ -20,6 +20,9 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
 
 
+TOKENIZER_FIX = "use the tokenizer the model was trained with (--tokenizer)"
+
+
 def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike | None,
                         device: torch.device) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
     """The model and tokenizer of an HF directory or a t5forge run directory, checked against each other."""
@@ -41,9 +44,7 @@ def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike 
         raise CheckpointError(f"{source} is neither an HF model directory (config.json) nor a t5forge run "
                               "directory (config.yaml)")
     tok = T5Tokenizer(tokenizer)
-    if tok.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"the tokenizer in {tokenizer} has {tok.vocab_size} ids but the model's vocab_size is "
-                          f"{model.config.vocab_size}: use the tokenizer the model was trained with (--tokenizer)")
+    tok.check_fits(model.config.vocab_size, TOKENIZER_FIX)
     return model.eval(), tok
 
 
@@ -79,9 +80,7 @@ def load_sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.P
     parallelize_t5(model, mesh, parallel)
     materialize_from_hf(model, reader, mesh.device)
     tok = T5Tokenizer(tokenizer or source)
-    if tok.vocab_size > config.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {config.vocab_size}: "
-                          "use the tokenizer the model was trained with (--tokenizer)")
+    tok.check_fits(config.vocab_size, TOKENIZER_FIX)
     dist.barrier()
     return model.eval(), tok
 

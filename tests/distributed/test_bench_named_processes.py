@@ -46,7 +46,7 @@ def test_two_process_names_against_transformers_ddp(work, tmp_path):
 
 def test_a_rank_config_error_is_reported_as_one(work, tmp_path):
     # The 2000-piece tokenizer does not fit a 1024-word vocabulary: the trainer of each rank refuses.
-    with pytest.raises(ConfigError, match="the tokenizer has .* ids but the model's vocab_size is 1024"):
+    with pytest.raises(ConfigError, match="the tokenizer in .* has .* ids but the model's vocab_size is 1024"):
         run_named_benchmarks([f"{SHAPE.replace('vocab2176', 'vocab1024')}_mb2_gb4_1n2g"], tmp_path / "out", work,
                              steps=1)
     assert not (tmp_path / "out").exists()

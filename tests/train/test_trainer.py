@@ -175,7 +175,7 @@ def test_config_errors_name_the_key(tmp_path, dataset_prefix, tokenizer_dir):
 
 
 def test_bad_runs_are_refused_before_training(tmp_path, dataset_prefix, tokenizer_dir):
-    with pytest.raises(ConfigError, match="tokenizer has 2100 ids but the model's vocab_size is 1000"):
+    with pytest.raises(ConfigError, match="tokenizer in .* has 2100 ids but the model's vocab_size is 1000"):
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "model.overrides.vocab_size=1000"))
     with pytest.raises(ConfigError, match="targets_length=20 does not follow"):
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "data.targets_length=20"))

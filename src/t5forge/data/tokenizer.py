@@ -158,6 +158,14 @@ class T5Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def check_fits(self, vocab_size: int, fix: str) -> None:
+        """Every id of this tokenizer must be a row of the model's embedding (`vocab_size` rows)."""
+        if self.vocab_size > vocab_size:
+            from t5forge.errors import ConfigError
+
+            raise ConfigError(f"the tokenizer in {self.path} has {self.vocab_size} ids but the model's vocab_size is "
+                              f"{vocab_size}: {fix}")
+
     def token_dtype(self) -> np.dtype:
         """Smallest dtype for ids on disk (Megatron's rule: uint16 below 65500, else int32)."""
         return np.dtype(np.uint16) if self.vocab_size < 65500 else np.dtype(np.int32)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from t5forge.errors import ConfigError
-from t5forge.models.loss import linear_cross_entropy_sum
+from t5forge.models.loss import linear_cross_entropy_sum, token_loss_sum
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 
@@ -625,8 +625,7 @@ class T5ForConditionalGeneration(nn.Module):
             logits = self.lm_head(hidden_states)
         if labels is not None:
             if return_logits:
-                loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                                           ignore_index=-100, reduction="sum")
+                loss_sum = token_loss_sum(logits, labels)
             else:
                 loss_sum = linear_cross_entropy_sum(hidden_states, self.lm_head.weight, labels)
             loss = loss_sum / (labels != -100).sum()

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -38,7 +37,7 @@ from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import HFTensorReader
-from t5forge.models.loss import linear_cross_entropy_sum
+from t5forge.models.loss import linear_cross_entropy_sum, token_loss_sum
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import human_count, summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_gelu
@@ -170,13 +169,6 @@ def model_inputs(model: T5ForConditionalGeneration, batch: dict[str, torch.Tenso
               **{key: batch[key] for key in PACKED_KEYS if key in batch}}
     inputs.setdefault("decoder_input_ids", model.shift_right(batch["labels"]))
     return inputs
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over labels != -100. With vocab-parallel logits (a DTensor sharded on the
-    vocabulary) call it under `loss_parallel()`: the softmax is then computed without gathering."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100,
-                           reduction="sum")
 
 
 def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -312,11 +304,9 @@ class Trainer:
             self.data = build_pretraining_data(
                 d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
                 mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
-        if self.data.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {self.data.tokenizer.vocab_size} ids but the model's vocab_size is "
-                f"{self.model_config.vocab_size}; set model.overrides.vocab_size to at least "
-                f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
+        self.data.tokenizer.check_fits(
+            self.model_config.vocab_size, f"set model.overrides.vocab_size to at least {self.data.tokenizer.vocab_size} "
+            "(a multiple of 128 is fastest) or use the model's tokenizer")
         start = time.perf_counter()
         self.model = build_model(run, self.model_config, self.mesh, self.pp_layers)
         self.build_seconds = time.perf_counter() - start
