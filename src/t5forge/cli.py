@@ -97,11 +97,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
-    from t5forge.data.corpus import write_python_docs, write_python_function_names
+    from t5forge.data.corpus import write_docstring_task, write_python_docs
 
-    if args.name == "python-functions":
-        examples, size = write_python_function_names(args.output)
-        print(f"wrote {args.output}: {examples} docstring sentence -> function name examples, {size / 1e6:.2f} MB "
+    if args.name in ("python-functions", "python-modules"):
+        target = args.name.removeprefix("python-").removesuffix("s")
+        examples, size = write_docstring_task(args.output, target)
+        print(f"wrote {args.output}: {examples} docstring sentence -> {target} name examples, {size / 1e6:.2f} MB "
               "(JSONL input/target, PSF licence)")
         return 0
     documents, size = write_python_docs(args.output)
@@ -367,9 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=cmd_convert)
 
     corpus = sub.add_parser("corpus", help="write a built-in text corpus or fine-tuning task")
-    corpus.add_argument("name", choices=["python-docs", "python-functions"],
+    corpus.add_argument("name", choices=["python-docs", "python-functions", "python-modules"],
                         help="python-docs: standard-library docstrings + language reference (~2 MB, PSF licence); "
-                             "python-functions: JSONL task, a docstring's first sentence -> the function's name")
+                             "python-functions / python-modules: JSONL tasks, a function docstring's first "
+                             "sentence -> the function's name / its top-level standard-library module")
     corpus.add_argument("--output", required=True, metavar="FILE")
     corpus.set_defaults(func=cmd_corpus)
 

@@ -19,7 +19,6 @@ from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
 
-
 TOKENIZER_FIX = "use the tokenizer the model was trained with (--tokenizer)"
 
 

@@ -128,9 +128,9 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     with Trainer(load_config(None, base_overrides(dataset_prefix, tokenizer_dir, str(out / "initial"))),
                  echo=lambda *_: None) as trainer:
         reference["initial"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    from t5forge.data.corpus import python_function_names
+    from t5forge.data.corpus import python_docstring_task
 
-    (out / "task.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in python_function_names()[:200]))
+    (out / "task.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in python_docstring_task()[:200]))
     finetune = [o.replace("OUT", str(out)) for o in FINETUNE]
     for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED), ("finetune", 3, finetune)):
         overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))

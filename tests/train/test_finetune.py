@@ -10,11 +10,11 @@ import pytest
 
 import t5forge
 from t5forge.cli import main
-from t5forge.data.corpus import python_function_names
+from t5forge.data.corpus import python_docstring_task
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
 from t5forge.inference import generate_from_ids
-from t5forge.train.finetune import check_generation_eval, load_finetune_config
+from t5forge.train.finetune import load_finetune_config
 from t5forge.train.metrics import read_metrics
 from t5forge.train.task_metrics import score
 
@@ -26,7 +26,7 @@ TINY = {"preset": "t5-v1_1-small", "dropout_rate": 0.0,
 @pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("task") / "functions.jsonl"
-    path.write_text("".join(json.dumps(pair) + "\n" for pair in python_function_names()[:120]))
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in python_docstring_task()[:120]))
     return path
 
 
@@ -80,6 +80,11 @@ def test_finetune_scores_generations_and_keeps_the_best_model(tmp_path, task_fil
     again, _ = generate_from_ids(kept, tok, inputs, batch_size=12, max_new_tokens=10)
     assert again == [w["prediction"] for w in predictions(run, best["iteration"])]
     assert (run / "best" / "tokenizer.json").is_file()
+    # `t5forge eval` scores the run's checkpoint on its validation targets (teacher-forced loss).
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["split"] == "valid" and evaluated["loss"] > 0 and evaluated["samples"] == 8  # whole batches of 8
 
 
 def test_finetune_starts_from_a_run_directory_or_its_hf_export(tmp_path, task_file, tokenizer_dir):
@@ -133,7 +138,6 @@ def test_bad_input_is_refused_with_exit_2(tmp_path, task_file, tokenizer_dir, ca
 
 
 def test_generation_with_sequence_parallelism_is_refused_before_training(tmp_path, task_file, tokenizer_dir):
-    run = load_finetune_config(write_config(tmp_path, task_file, tokenizer_dir),
-                               ["parallel.tp=2", "parallel.sequence_parallel=true"])
     with pytest.raises(ConfigError, match="set parallel.sequence_parallel=false for fine-tuning"):
-        check_generation_eval(run)
+        load_finetune_config(write_config(tmp_path, task_file, tokenizer_dir),
+                             ["parallel.tp=2", "parallel.sequence_parallel=true"])

@@ -8,6 +8,7 @@ import ast
 import os
 import re
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from t5forge.fileio import write_text_atomic
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
               "turtledemo", "ensurepip"}
 _MIN_WORDS = 8
+MIN_MODULE_EXAMPLES = 100
 
 
 def _clean(text: str) -> str:
@@ -26,8 +28,9 @@ def _clean(text: str) -> str:
     return "\n".join(line for line in lines if line.strip())
 
 
-def _stdlib_documented() -> Iterator[tuple[ast.AST, str]]:
-    """(module, class or function node, its docstring) of the standard library, in a fixed order."""
+def _stdlib_documented() -> Iterator[tuple[str, ast.AST, str]]:
+    """(top-level module, module/class/function node, its docstring) of the standard library, in a fixed
+    order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
@@ -40,11 +43,11 @@ def _stdlib_documented() -> Iterator[tuple[ast.AST, str]]:
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc:
-                        yield node, doc
+                        yield Path(dirpath, filename).relative_to(root).parts[0].removesuffix(".py"), node, doc
 
 
 def _stdlib_docstrings() -> Iterator[str]:
-    for _, doc in _stdlib_documented():
+    for _, _, doc in _stdlib_documented():
         yield doc
 
 
@@ -77,15 +80,19 @@ def write_python_docs(output: str | os.PathLike) -> tuple[int, int]:
     return len(documents), len(text.encode("utf-8"))
 
 
-def python_function_names(min_words: int = 4) -> list[dict[str, str]]:
+def python_docstring_task(target: str = "function", min_words: int = 4) -> list[dict[str, str]]:
     """A text-to-text task from the same docstrings: {"input": the first sentence of a public function's
-    docstring, "target": the function's name}, e.g. "Return the number of items in the queue." -> "qsize".
-    A sentence documenting several functions is kept once (its first function), so that every input has
-    one answer; the pairs are shuffled with a fixed seed, so that any contiguous split is a random one."""
+    docstring, "target": the function's name (target="function"), e.g. "Return the number of items in the
+    queue." -> "qsize", or the top-level standard-library module it belongs to (target="module"), e.g. ->
+    "asyncio"}. A sentence documenting several functions is kept once (its first function), so that every
+    input has one answer; the pairs are shuffled with a fixed seed, so that any contiguous split is a
+    random one. Modules with fewer than MIN_MODULE_EXAMPLES such functions are left out."""
     import random
 
+    if target not in ("function", "module"):
+        raise ValueError(f"target must be 'function' or 'module', got {target!r}")
     seen, pairs = set(), []
-    for node, doc in _stdlib_documented():
+    for module, node, doc in _stdlib_documented():
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
         paragraph = " ".join(doc.strip().split("\n\n")[0].split())
@@ -93,16 +100,19 @@ def python_function_names(min_words: int = 4) -> list[dict[str, str]]:
         if len(re.findall(r"[A-Za-z]+", sentence)) < min_words or sentence in seen:
             continue
         seen.add(sentence)
-        pairs.append({"input": sentence, "target": node.name})
+        pairs.append({"input": sentence, "target": node.name if target == "function" else module})
+    if target == "module":  # the modules with enough functions to learn from
+        counts = Counter(pair["target"] for pair in pairs)
+        pairs = [pair for pair in pairs if counts[pair["target"]] >= MIN_MODULE_EXAMPLES]
     random.Random(0).shuffle(pairs)
     return pairs
 
 
-def write_python_function_names(output: str | os.PathLike) -> tuple[int, int]:
+def write_docstring_task(output: str | os.PathLike, target: str) -> tuple[int, int]:
     """Write the task as JSONL; returns (examples, bytes)."""
     import json
 
-    pairs = python_function_names()
+    pairs = python_docstring_task(target)
     text = "".join(json.dumps(pair) + "\n" for pair in pairs)
     write_text_atomic(output, text)
     return len(pairs), len(text.encode("utf-8"))

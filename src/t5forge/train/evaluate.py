@@ -1,4 +1,5 @@
-"""`t5forge eval RUN_DIR`: the pretraining objective on held-out data, from a run's checkpoint."""
+"""`t5forge eval RUN_DIR`: the training objective (span corruption, or the text-to-text targets) on
+held-out data, from a run's checkpoint."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from pathlib import Path
 import torch
 
 from t5forge.config import load_config
-from t5forge.data.loader import build_pretraining_data
 from t5forge.errors import CheckpointError
 from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint
-from t5forge.train.trainer import evaluate
+from t5forge.train.trainer import build_data, evaluate
 
 
 def evaluate_run(run_dir: str | os.PathLike, split: str = "valid", samples: int | None = None,
@@ -25,10 +25,7 @@ def evaluate_run(run_dir: str | os.PathLike, split: str = "valid", samples: int 
         raise CheckpointError(f"{run_dir} has no checkpoint yet (no checkpoints/latest)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model_checkpoint(path, dtype=torch.float32, device=device)
-    d = run.data
-    data = build_pretraining_data(d.dataset, d.tokenizer, inputs_length=d.inputs_length,
-                                  noise_density=d.noise_density, mean_noise_span_length=d.mean_noise_span_length,
-                                  split=tuple(d.split), seed=run.train.seed)
+    data = build_data(run, echo=lambda *_: None)
     dataset = data.valid if split == "valid" else data.test
     count = min(samples or run.train.eval_samples, len(dataset))
     result = evaluate(model, dataset, run.train.micro_batch_size, count, device, run.precision.dtype)

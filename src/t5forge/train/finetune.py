@@ -36,6 +36,7 @@ def load_finetune_config(path: str | None, overrides: list[str]) -> RunConfig:
     if run.data.task != "text_to_text":
         raise ConfigError("t5forge finetune trains on data.task=text_to_text; for span-corruption pretraining "
                           "use t5forge train")
+    check_generation_eval(run)  # before any process starts
     return run
 
 

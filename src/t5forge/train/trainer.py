@@ -121,6 +121,16 @@ def build_model_config(run: RunConfig) -> T5Config:
     return T5Config(**values, extra=base.extra)
 
 
+def build_data(run: RunConfig, echo=print) -> PretrainingData | TextToTextData:
+    """The splits of the run's data: span corruption of an indexed dataset, or text-to-text examples."""
+    d = run.data
+    if d.task == "text_to_text":
+        return build_text_to_text_data(d, seed=run.train.seed, echo=echo)
+    return build_pretraining_data(d.dataset, d.tokenizer, inputs_length=d.inputs_length,
+                                  noise_density=d.noise_density, mean_noise_span_length=d.mean_noise_span_length,
+                                  split=tuple(d.split), seed=run.train.seed)
+
+
 def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
                 pp_layers: list[int] | None = None) -> T5ForConditionalGeneration:
     """This rank's part of the model: built on the meta device, pruned to this rank's pipeline stages
@@ -297,16 +307,10 @@ class Trainer:
         self.checkpoints = ckpt.CheckpointManager(run, echo=self.echo)
         resume_from = self.checkpoints.resume_point()
 
-        self.data: PretrainingData | TextToTextData
-        if d.task == "text_to_text":
-            self.data = build_text_to_text_data(d, seed=run.train.seed, echo=self.echo)
-        else:
-            self.data = build_pretraining_data(
-                d.dataset, d.tokenizer, inputs_length=d.inputs_length, noise_density=d.noise_density,
-                mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split), seed=run.train.seed)
-        self.data.tokenizer.check_fits(
-            self.model_config.vocab_size, f"set model.overrides.vocab_size to at least {self.data.tokenizer.vocab_size} "
-            "(a multiple of 128 is fastest) or use the model's tokenizer")
+        self.data = build_data(run, echo=self.echo)
+        tokenizer = self.data.tokenizer
+        tokenizer.check_fits(self.model_config.vocab_size, f"set model.overrides.vocab_size to at least "
+                             f"{tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
         start = time.perf_counter()
         self.model = build_model(run, self.model_config, self.mesh, self.pp_layers)
         self.build_seconds = time.perf_counter() - start
