@@ -145,7 +145,6 @@ def _stop(done: bool, group) -> bool:
     return not bool(flag.item())
 
 
-@torch.no_grad()
 def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, stop_group=None, **settings) -> torch.Tensor:
     """Token ids [batch x num_return_sequences, length], each row beginning with decoder_start_token_id and
@@ -159,10 +158,15 @@ def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attenti
         raise ConfigError("generate got an empty input: give at least one token per row")
     was_training = model.training
     model.eval()
+    # inference_mode also skips autograd's version counting (8% of a greedy run in benchmarks/generate.md); a
+    # sharded model (DTensor parameters: tensor parallel, FSDP) keeps no_grad, since FSDP gathers parameters
+    # into buffers inside the forward pass that training uses afterwards.
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
     try:
-        if s.num_beams > 1:
-            return _beam_search(model, input_ids, attention_mask, s, generator, stop_group)
-        return _greedy_or_sample(model, input_ids, attention_mask, s, generator, stop_group)
+        with torch.no_grad() if sharded else torch.inference_mode():
+            if s.num_beams > 1:
+                return _beam_search(model, input_ids, attention_mask, s, generator, stop_group)
+            return _greedy_or_sample(model, input_ids, attention_mask, s, generator, stop_group)
     finally:
         model.train(was_training)
 

@@ -428,7 +428,7 @@ class T5Stack(nn.Module):
             keep = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         elif attention_mask is not None:
             keep = attention_mask.bool()[:, None, None, :]
-        if self.is_decoder:
+        if self.is_decoder and length > 1:  # (a single new position sees every earlier one: nothing to mask)
             causal = torch.ones(length, past_length + length, dtype=torch.bool, device=device)
             causal = causal.tril(diagonal=past_length)[None, None]
             keep = causal if keep is None else keep & causal
