@@ -24,6 +24,7 @@ rank's peak is the process's peak resident memory above what it held before buil
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -247,6 +248,7 @@ def worker(name: str, config: str, work: str, out: str, steps: str, baseline: st
         entry = {"config_error": str(e)}
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out).write_text(json.dumps(entry))
+    gc.collect()  # a DistributedDataParallel baseline in a reference cycle dies now, not after the group (see below)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -374,6 +376,11 @@ def memory_child(name: str, side: str, config: str, work: str, out: str, *overri
     for micro_batches in batches:
         float(step(micro_batches))
     Path(f"{out}.rank{rank}").write_text(json.dumps({"peak_memory_mib": _memory_mib("VmHWM") - before}))
+    # DistributedDataParallel's reducer must die while the group is still registered: if its destructor drops
+    # the group's last reference, ~ProcessGroupGloo joins gloo's worker thread while holding the GIL, and that
+    # thread waits for the GIL to free its last work: the process hangs at exit (seen under CI, torch 2.13).
+    del step, batches
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
