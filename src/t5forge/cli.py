@@ -347,6 +347,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_verify(args) -> int:
+    from t5forge.errors import CheckpointError
+    from t5forge.train.checkpoint import checkpoint_problems, is_dcp_checkpoint
+
+    root = Path(args.directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass a checkpoint, a run's checkpoints/ or a run directory")
+    found = ([root] if is_dcp_checkpoint(root) or (root / "manifest.json").is_file()
+             else sorted([*root.glob("step_*"), *root.glob("checkpoints/step_*")]))
+    if not found:
+        raise CheckpointError(f"{root} holds no checkpoint (no .metadata, no step_* directories)")
+    damaged = 0
+    for path in found:
+        problems = checkpoint_problems(path)
+        damaged += bool(problems)
+        print(f"{path}: " + ("ok" if not problems else "DAMAGED: " + "; ".join(problems)))
+    print(f"{len(found) - damaged} of {len(found)} checkpoints intact")
+    return 1 if damaged else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -366,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep stored dtypes)")
     convert.add_argument("--max-shard-size", default="5GB", help="HF output shard size (default 5GB)")
     convert.set_defaults(func=cmd_convert)
+
+    checkpoint = sub.add_parser("checkpoint", help="inspect checkpoints")
+    checkpoint_sub = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verify = checkpoint_sub.add_parser(
+        "verify", help="check checkpoints against their manifests (files, sizes, SHA-256)",
+        description="DIR is a checkpoint (step_* or one written by convert), a run's checkpoints/ directory or "
+                    "a run directory: every checkpoint found is checked. Exit 0 when all are intact, 1 otherwise.")
+    verify.add_argument("directory", metavar="DIR")
+    verify.set_defaults(func=cmd_checkpoint_verify)
 
     corpus = sub.add_parser("corpus", help="write a built-in text corpus or fine-tuning task")
     corpus.add_argument("name", choices=["python-docs", "python-functions", "python-modules"],
@@ -518,6 +547,10 @@ def configure_process() -> None:
 
     # Our preprocessing workers are the parallelism; tokenizers' own thread pool would fight them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from t5forge.lifecycle import die_with_parent, launched_by_torchrun
+
+    if launched_by_torchrun():  # a rank ends with its launcher, even one killed by SIGKILL
+        die_with_parent()
     # convert and eval read and write model checkpoints in one process, without a process group, on purpose.
     warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load) in a "
                             r"single process", category=UserWarning)
@@ -534,7 +567,8 @@ def configure_cpu_training() -> None:
 
 # Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,
 # `bench NAME --baseline hf train.compile=true`): argparse stops a positional list at the first option.
-_TRAILING_POSITIONALS = {"generate": "texts", "bench": "names"}
+_TRAILING_POSITIONALS = {"generate": "texts", "bench": "names", "train": "overrides", "finetune": "overrides",
+                         "comm-audit": "overrides"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -56,6 +56,9 @@ class DataConfig:
     num_workers: int = 2
 
 
+MIN_INPUTS_LENGTH = 8  # span corruption needs room for a noise span, its sentinel and eos
+
+
 @dataclass
 class TrainConfig:
     output_dir: str = MISSING
@@ -69,6 +72,9 @@ class TrainConfig:
     eval_samples: int = 256  # validation samples per evaluation (the same ones every time)
     save_period: int = 500  # 0: save only at the end
     keep_last: int = 3
+    # Stop when this many steps in a row have a non-finite loss or gradient norm (fp16: were skipped by the
+    # loss scaler); 0: never stop.
+    max_nonfinite_steps: int = 5
     resume: str = "auto"  # auto | never | a checkpoint directory
     export_hf: bool = True  # write RUN_DIR/hf at the end
     compile: bool = False  # torch.compile every block (first step logs the compile time)
@@ -244,6 +250,11 @@ def check_config(run: RunConfig) -> None:
     t = run.train
     if (t.max_steps is None) == (t.max_samples is None):
         raise ConfigError("set exactly one of train.max_steps and train.max_samples")
+    for key in ("max_steps", "max_samples"):
+        if getattr(t, key) is not None and getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if t.max_nonfinite_steps < 0:
+        raise ConfigError(f"train.max_nonfinite_steps must be >= 0 (0: never stop), got {t.max_nonfinite_steps}")
     for key in ("log_period", "eval_samples", "keep_last", "micro_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
@@ -260,11 +271,16 @@ def check_config(run: RunConfig) -> None:
     if min(p.dp, p.tp, p.pp) < 1:
         raise ConfigError(f"parallel.dp, tp and pp must be >= 1, got {p.dp}, {p.tp}, {p.pp}")
     d = run.data
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0 (0: load in the training process), got {d.num_workers}")
     if len(d.split) != 3:
         raise ConfigError(f"data.split must be three numbers (train, valid, test), got {d.split}")
     if d.task == "span_corruption":
         if d.dataset is None:
             raise ConfigError("data.dataset must be set (an indexed dataset prefix from `t5forge preprocess`)")
+        if d.inputs_length < MIN_INPUTS_LENGTH:
+            raise ConfigError(f"data.inputs_length={d.inputs_length} is too short for span corruption; use at least "
+                              f"{MIN_INPUTS_LENGTH} (512 is usual for T5)")
         if d.packing:
             raise ConfigError("data.packing is for data.task=text_to_text; span corruption fills every row already")
     else:

@@ -19,3 +19,7 @@ class UnknownPresetError(T5ForgeError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message with quotes
         return str(self.args[0])
+
+
+class TrainingDiverged(T5ForgeError):
+    """The loss or the gradients stayed non-finite for train.max_nonfinite_steps steps in a row."""

@@ -192,7 +192,8 @@ def test_bad_runs_are_refused_before_training(tmp_path, dataset_prefix, tokenize
 
     data_file = next((tmp_path / "run" / "checkpoints" / "step_00000001").glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"checkpoint file .*step_00000001/__0_0.distcp is truncated"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in .*step_00000001/__0_0.distcp has 100 bytes, "
+                                              r"the manifest says \d+"):
         Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir))
 
 

@@ -22,6 +22,7 @@ from t5forge.data.indexed import DatasetError, IndexedDataset
 from t5forge.data.spans import SpanCorruption
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
+from t5forge.lifecycle import die_with_parent
 
 SPLITS = ("train", "valid", "test")
 
@@ -176,4 +177,5 @@ def build_loader(
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG, which would
         # shift the dropout stream of a resumed run (samples do not use torch's RNG at all).
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=die_with_parent,  # no worker outlives a killed trainer
     )

@@ -8,8 +8,11 @@ period, keep-last, HF export)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -17,9 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from t5forge.errors import CheckpointError
-from t5forge.fileio import atomic_directory
+from t5forge.fileio import atomic_directory, make_public, write_text_atomic
 from t5forge.models.hf import (
     build_model,
     config_from_hf,
@@ -30,6 +34,64 @@ from t5forge.models.hf import (
 from t5forge.models.t5 import T5ForConditionalGeneration
 
 MODEL_PREFIX = "model."
+
+
+# -- reading DCP metadata without running code ------------------------------------------------------------
+# DCP's FileSystemReader unpickles `.metadata` with plain pickle.load: a crafted checkpoint would run any code
+# it holds. Ours admits only the classes DCP's metadata is made of (checked on the torch versions we support);
+# anything else stops the load before it is built. Hand-written because DCP has no safe reader of its own.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                          torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which is not part of DCP's metadata "
+                                     "(refused: unpickling it could run code)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` goes through _MetadataUnpickler, and which refuses entries stored
+    as pickled bytes (t5forge stores tensors only; DCP would torch.load such entries with weights_only=False)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as e:  # a damaged pickle fails with many types
+            raise CheckpointError(f"{path} is corrupt or not DCP metadata ({_last_line(e)}); use another "
+                                  "checkpoint") from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; use another checkpoint")
+        pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+        if pickled:
+            raise CheckpointError(f"{path} declares pickled entries ({', '.join(pickled[:3])}), which t5forge never "
+                                  "writes and will not unpickle; use a checkpoint written by t5forge")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    return SafeFileSystemReader(path).read_metadata()
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    dcp.load(state, storage_reader=SafeFileSystemReader(path))
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
@@ -43,6 +105,7 @@ def save_model_checkpoint(model: T5ForConditionalGeneration, path: str | os.Path
         dcp.save(state, checkpoint_id=staging)
         hf = config_to_hf(model.config, dtype=model.shared.weight.dtype)
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        write_manifest(staging)
 
 
 def load_model_checkpoint(
@@ -51,8 +114,8 @@ def load_model_checkpoint(
     """Read the model of a DCP checkpoint directory (written by t5forge) into one process."""
     path = Path(path)
     config = config_from_hf(read_hf_config(path))
-    check_checkpoint_files(path)
-    metadata = FileSystemReader(path).read_metadata()
+    verify_checkpoint(path)
+    metadata = read_metadata(path)
     shapes = {
         key.removeprefix(MODEL_PREFIX): meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -62,7 +125,7 @@ def load_model_checkpoint(
         raise CheckpointError(f"{path} holds no model tensors (no keys under {MODEL_PREFIX!r})")
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}
     try:
-        dcp.load({"model": state}, checkpoint_id=path)
+        _dcp_load({"model": state}, path)
     except Exception as e:  # DCP's read errors have no common type
         raise CheckpointError(f"cannot read the tensors of {path}: {_last_line(e)}; the checkpoint is corrupt") from e
     return build_model(config, state, dtype=dtype, device=device, source=str(path)).eval()
@@ -82,15 +145,33 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
-    pointer = Path(checkpoints_dir) / LATEST
-    if not pointer.is_file():
+def latest_checkpoint(checkpoints_dir: str | os.PathLike, echo=None, checksums: bool = True) -> Path | None:
+    """The newest complete checkpoint: the one `latest` names when it is complete, else the newest complete
+    step_* (a crash or a damaged file); None when there is none. Each one passed over is reported to `echo`
+    (or, without one, makes this an error naming it)."""
+    directory = Path(checkpoints_dir)
+    if not directory.is_dir():
         return None
-    target = Path(checkpoints_dir) / pointer.read_text(encoding="utf-8").strip()
-    if not (target / ".metadata").is_file():
-        raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint; "
-                              f"point it at another step_* directory or remove it")
-    return target
+    candidates = sorted(directory.glob("step_*"), reverse=True)
+    pointer = directory / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8", errors="replace").strip()
+        named = directory / name
+        if re.fullmatch(r"step_\d+", name) and named in candidates:
+            candidates = [named] + [c for c in candidates if c != named]
+    skipped = []
+    for candidate in candidates:
+        problems = checkpoint_problems(candidate, checksums=checksums)
+        if not problems:
+            return candidate
+        if echo is None:
+            raise CheckpointError(f"the newest checkpoint is damaged: {problems[0]}; pass an older one explicitly")
+        echo(f"skipping checkpoint {candidate.name}, it is incomplete or damaged: {'; '.join(problems)}")
+        skipped.append(problems[0])
+    if skipped:  # starting afresh would overwrite them: the user decides
+        raise CheckpointError(f"no complete checkpoint in {directory} ({'; '.join(skipped)}); move them away to "
+                              "start afresh, or set train.resume to a checkpoint of another run")
+    return None
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
@@ -117,10 +198,7 @@ def _last_line(error: Exception) -> str:
 def check_checkpoint_files(path: str | os.PathLike) -> None:
     """Every data file the DCP metadata refers to exists and is long enough; else name the file."""
     path = Path(path)
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # a damaged .metadata fails inside pickle or DCP with various types
-        raise CheckpointError(f"{path / '.metadata'} is corrupt ({_last_line(e)}); use another checkpoint") from e
+    metadata = read_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -133,6 +211,67 @@ def check_checkpoint_files(path: str | os.PathLike) -> None:
                                   "use another checkpoint")
 
 
+# -- manifests -------------------------------------------------------------------------------------------
+# Every checkpoint directory ends with MANIFEST (files, sizes, SHA-256), written after everything else: a
+# directory without one was never finished, and a flipped bit in a tensor file shows as a checksum mismatch
+# instead of a NaN loss.
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    write_text_atomic(directory / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def checkpoint_problems(path: str | os.PathLike, checksums: bool = True) -> list[str]:
+    """What is wrong with checkpoint directory `path` (empty: nothing): missing manifest or files, wrong
+    sizes, and with `checksums` wrong contents. Checkpoints of versions before manifests are checked
+    against their DCP metadata (sizes only)."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} is not a directory"]
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        if not (path / ".metadata").is_file():
+            return [f"{path} has no {MANIFEST} and no .metadata: it was never completed"]
+        try:
+            check_checkpoint_files(path)
+        except CheckpointError as e:
+            return [str(e)]
+        return []
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        expected = {str(name): (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{manifest} is corrupt ({type(e).__name__}: {e})"]
+    problems = []
+    for name, (size, sha) in sorted(expected.items()):
+        file = path / name
+        if Path(name).name != name or not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file} has {file.stat().st_size} bytes, the manifest says {size}")
+        elif checksums and _sha256(file) != sha:
+            problems.append(f"{file} does not match its SHA-256 in the manifest (the file is damaged)")
+    return problems
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise CheckpointError naming every problem of checkpoint `path` (see checkpoint_problems)."""
+    problems = checkpoint_problems(path)
+    if problems:
+        raise CheckpointError("; ".join(problems) + "; use another checkpoint")
+
+
 def save_training_checkpoint(
     checkpoints_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     trainer_state: dict, keep_last: int,
@@ -141,8 +280,6 @@ def save_training_checkpoint(
     position), then, on rank 0, move the `latest` pointer to it and delete all but the newest keep_last.
     The checkpoint is written under a temporary name and renamed when complete."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from t5forge.fileio import make_public, write_text_atomic
 
     checkpoints_dir = Path(checkpoints_dir)
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -161,13 +298,55 @@ def save_training_checkpoint(
         hf = config_to_hf(model.config, dtype=_dtype_of(model))
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
+        write_manifest(staging)
+        publish_checkpoint(staging, final)
         write_text_atomic(checkpoints_dir / LATEST, final.name + "\n")
-        for old in sorted(checkpoints_dir.glob("step_*"))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(checkpoints_dir, keep_last, keep=final)
     _barrier()
     return final
+
+
+def _aside(checkpoint: Path, why: str) -> Path:
+    return checkpoint.with_name(f".{checkpoint.name}.{why}")
+
+
+def publish_checkpoint(staging: Path, final: Path) -> None:
+    """Rename the complete `staging` directory to `final`. A checkpoint already there (the same step saved
+    again) is renamed aside first and deleted only once the new one is in place: at every moment one
+    complete copy exists under `final` or beside it, and recover_checkpoints puts it back after a crash."""
+    old = _aside(final, "old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune_checkpoints(checkpoints_dir: Path, keep_last: int, keep: Path) -> None:
+    """Delete all but the newest keep_last checkpoints, never `keep` (the one just written, which `latest`
+    names) even when newer steps exist (a resume from an older checkpoint). Each is renamed out of the
+    step_* namespace before it is deleted, so a crash mid-deletion leaves nothing that looks like one."""
+    others = sorted(p for p in checkpoints_dir.glob("step_*") if p != keep)
+    for old in others[:max(len(others) - (keep_last - 1), 0)]:
+        doomed = _aside(old, "deleting")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover_checkpoints(checkpoints_dir: Path, echo=print) -> None:
+    """Finish or undo what a crash interrupted (rank 0, before choosing where to resume): a checkpoint
+    renamed aside while being replaced comes back if its replacement is not complete; half-deleted and
+    half-written directories go."""
+    for old in sorted(checkpoints_dir.glob(".step_*.old")):
+        final = checkpoints_dir / old.name[1:-len(".old")]
+        if final.is_dir() and not checkpoint_problems(final, checksums=False):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(old, final)
+            echo(f"restored {final} (a crash interrupted its replacement)")
+    for debris in [*checkpoints_dir.glob(".step_*.deleting"), *checkpoints_dir.glob(".step_*.tmp")]:
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def _barrier() -> None:
@@ -208,7 +387,7 @@ def load_training_checkpoint(
     if state.get("layout") == layout:  # RNG streams belong to ranks; after resharding they start afresh
         tensors["rng"] = _rng_tensors()
     try:
-        dcp.load(tensors, checkpoint_id=path)
+        _dcp_load(tensors, path)
     except Exception as e:  # DCP's read errors have no common type
         raise CheckpointError(f"cannot read checkpoint {path}: {_last_line(e)}; it is incomplete or corrupt") from e
     # Hyper-parameters per group come from the checkpoint (rank 0's), the parameters of each group from this
@@ -256,22 +435,27 @@ class CheckpointManager:
         from t5forge.errors import ConfigError
 
         resume = self.run.train.resume
-        latest = latest_checkpoint(self.dir) if self.dir.is_dir() else None
-        has_checkpoints = latest is not None or any(self.dir.glob("step_*"))
         if resume == "never":
-            if has_checkpoints:
+            if any(self.dir.glob("step_*")):
                 raise ConfigError(f"{self.dir} already holds checkpoints and train.resume=never would overwrite them; "
                                   "choose a new train.output_dir or set train.resume=auto")
             return None
         if resume == "auto":
+            if self.dir.is_dir():
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    recover_checkpoints(self.dir, self.echo)
+                _barrier()
+            latest = latest_checkpoint(self.dir, echo=self.echo)
             if latest is None:
                 return None
             self._check_same_run()
+            self.last_saved_step = int(latest.name.removeprefix("step_"))  # never saved again over itself
             return latest
         path = Path(resume)
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"train.resume={resume} is not a checkpoint directory (no .metadata); "
                                   "use auto, never, or a step_* directory")
+        verify_checkpoint(path)
         return path
 
     def _check_same_run(self) -> None:

@@ -145,18 +145,49 @@ class StepMetrics:
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl and writes TensorBoard scalars; prints lines."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print, enabled: bool = True):
-        """enabled=False (ranks other than 0): write and print nothing."""
+    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print, enabled: bool = True,
+                 resumed_at: int | None = None, evaluations_redone: bool = False):
+        """enabled=False (ranks other than 0): write and print nothing. A run that starts at iteration
+        `resumed_at` (a checkpoint's, or 0 after a crash before the first one) continues the logs from there
+        (see continue_from); `evaluations_redone`: the evaluations of that iteration run again."""
         self.path = run_dir / "metrics.jsonl"
         self.echo = echo
         self.enabled = enabled
         self.tb = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resumed_at is not None:
+                self.continue_from(resumed_at, evaluations_redone)
         if tensorboard and enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the events from that step on that the earlier attempt wrote.
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                    purge_step=None if resumed_at is None else resumed_at + 1)
+
+    def continue_from(self, iteration: int, evaluations_redone: bool) -> None:
+        """Drop (atomically) the records logged after the checkpoint the run resumed from: they are logged
+        again as the steps are re-run, and would otherwise appear twice. Evaluations of that iteration go too
+        when they run again (at the start and at the end of a run), as does a line torn by a crash."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+                step = int(record["iteration"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if step < iteration or (step == iteration and ("loss" in record or not evaluations_redone)):
+                kept.append(line)
+        if len(kept) == len(lines):
+            return
+        from t5forge.fileio import write_text_atomic
+
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        self.echo(f"metrics continue from iteration {iteration}: {len(lines) - len(kept)} records written after "
+                  f"that checkpoint dropped from {self.path}")
 
     def write(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:

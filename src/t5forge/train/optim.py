@@ -117,7 +117,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, ma
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None,
                    group_dims: dict[str, int] | None = None, owner_dims: tuple[str, ...] = (),
-                   counted_elsewhere: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
+                   counted_elsewhere: frozenset[int] | set[int] = frozenset(),
+                   per_parameter: list | None = None) -> torch.Tensor:
     """Clip the global gradient norm of parameters of any layout (plain, TP, FSDP, 2-D, ZeRO-1 owners);
     returns the norm before clipping as a 0-d fp32 tensor on the compute device (never read here).
 
@@ -130,13 +131,15 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None
     DTensors live on different meshes.) Gradients are multiplied by a clamped coefficient rather than
     branching on the norm on the host (a non-finite norm leaves them as they are: the step is skipped).
     Parameters whose id is in `counted_elsewhere` (copies on several pipeline ranks) are clipped but
-    their norm is counted by another rank."""
+    their norm is counted by another rank. `per_parameter`, when given, receives (parameter, norm of this
+    rank's part of its gradient) pairs, norms on the device."""
     from collections import defaultdict
 
     from torch.distributed.tensor import DTensor
 
     group_dims = group_dims or {}
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
+    params_by_copies: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
     for p in params:
         if p.grad is None:
             continue
@@ -148,6 +151,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None
         copies = math.inf if id(p) in counted_elsewhere else math.prod(
             size for dim, size in group_dims.items() if dim not in one_copy)
         by_copies[copies].append(grad)
+        params_by_copies[copies].append(p)
     device = next((p.device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for copies, grads in by_copies.items():
@@ -155,6 +159,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None
             continue
         norms = torch.stack(torch._foreach_norm(grads)).float()
         total_sq = total_sq + norms.square().sum() / copies
+        if per_parameter is not None:
+            per_parameter += zip(params_by_copies[copies], norms)
     if group is not None:
         torch.distributed.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()

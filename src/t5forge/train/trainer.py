@@ -34,7 +34,7 @@ from t5forge.config import RunConfig, batch_arithmetic, to_yaml
 from t5forge.data.loader import PretrainingData, build_loader, build_pretraining_data
 from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
-from t5forge.errors import CheckpointError, ConfigError
+from t5forge.errors import CheckpointError, ConfigError, TrainingDiverged
 from t5forge.fileio import write_text_atomic
 from t5forge.models.hf import HFTensorReader
 from t5forge.models.loss import linear_cross_entropy_sum, token_loss_sum
@@ -53,6 +53,7 @@ from t5forge.parallel.parallelize import (
     materialize_from_hf,
     named_init_plan,
     parallelize_t5,
+    unwrap_name,
 )
 from t5forge.parallel.pipeline import (
     Pipeline,
@@ -346,16 +347,20 @@ class Trainer:
                                      run.train.micro_batch_size, d.inputs_length, self.targets_length)
         # Copies of a parameter on several pipeline ranks: clipped everywhere, their norm counted on one rank.
         self.norm_counted_elsewhere = self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set()
+        self.param_names = {id(p): unwrap_name(n) for n, p in self.model.named_parameters()}
         self.optimizer = build_optimizer(self.model, run.optim, only=owned)
         self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
         self.loss_scaler = LossScaler(run.precision, self.device)
         self.last_grad_norm = torch.full((), math.nan, device=self.device)
+        self.last_parameter_norms = torch.zeros(len(self.params), device=self.device)
+        self.divergence = DivergenceGuard(self)
         self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
         # Told which part of the step runs next (`_phase`): a CollectiveRecorder while a step is audited
         # (parallel/comm_audit.py), profiler ranges while one is profiled (bench/training.py).
         self.phase_listeners: list = []
         self.state = TrainState()
         self._rng_to_restore: dict | None = None
+        self.resumed_from = resume_from
         if resume_from is not None:
             self._restore(resume_from)
         self.flops_per_sample = training_flops_per_sample(self.model_config, d.inputs_length, self.targets_length)
@@ -421,8 +426,13 @@ class Trainer:
         self.echo(f"resumed from {path} at iteration {self.state.step}, consumed_samples {self.state.consumed_samples}")
 
     def save(self, last_step: bool = False) -> Path | None:
-        """Save a checkpoint if the checkpoint manager says one is due at this step (collective)."""
+        """Save a checkpoint if the checkpoint manager says one is due at this step (collective). Never
+        one of non-finite weights: a streak of non-finite steps stops the run or delays the save."""
         if not self.checkpoints.should_save(self.state.step, last_step):
+            return None
+        self.divergence.check()
+        if self.divergence.in_streak() and not self.loss_scaler.enabled:
+            self.echo(f"no checkpoint at iteration {self.state.step}: its step was not finite")
             return None
         trainer_state = {"consumed_samples": self.state.consumed_samples, "scheduler": self.scheduler.state_dict(),
                          "loss_scaler": self.loss_scaler.state_dict(), "layout": self.layout()}
@@ -480,9 +490,14 @@ class Trainer:
         self._phase("optimizer")
         self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
         max_norm = self.run.optim.clip_grad_norm if self.run.optim.clip_grad_norm > 0 else math.inf
+        per_parameter: list = []
         self.last_grad_norm = clip_grad_norm(
             self.params, max_norm, group=self.norm_group, group_dims=self.norm_dims,
-            owner_dims=("pp", "dp") if zero1 else ("pp",), counted_elsewhere=self.norm_counted_elsewhere)
+            owner_dims=("pp", "dp") if zero1 else ("pp",), counted_elsewhere=self.norm_counted_elsewhere,
+            per_parameter=per_parameter)
+        norm_of = {id(p): norm for p, norm in per_parameter}
+        zero = self.last_grad_norm.new_zeros(())
+        self.last_parameter_norms = torch.stack([norm_of.get(id(p), zero) for p in self.params])
         found_inf = self.loss_scaler.update(self.last_grad_norm)
         optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
         if zero1:
@@ -586,16 +601,64 @@ class Trainer:
             else:
                 loss = self.train_step(micro_batches)
             self.state.step += 1
+            self.divergence.record(self.state.step, loss, self.last_grad_norm, self.last_parameter_norms)
             self.state.consumed_samples += self.global_batch_size
             self.pending_losses.append(loss)
             info = StepInfo(step=self.state.step, loss=loss, data_time=data_time,
                             log_step=self.is_log_step(self.state.step))
+            if info.log_step:  # the step has been read already (LogHook): no extra wait
+                self.divergence.check()
             for hook in hooks:
                 hook.after_step(info)
         self.read_losses()
         for hook in hooks:
             hook.after_train()
         return self.state
+
+
+class DivergenceGuard:
+    """Counts, on the device, the steps in a row whose loss or gradient norm is not finite (in fp16 these are
+    the steps the loss scaler skipped), with the iteration where the streak began and this rank's gradient
+    norms by parameter at that iteration. `check` reads them (a host synchronisation: at log steps and before
+    saving) and stops the run once the streak reaches train.max_nonfinite_steps (0: never)."""
+
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+        self.limit = trainer.run.train.max_nonfinite_steps
+        device = trainer.device
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.names = [trainer.param_names.get(id(p), "?") for p in trainer.params]
+        self.norms_at_first_bad = torch.zeros(len(self.names), device=device)
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, norms: torch.Tensor) -> None:
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        starts = bad & (self.streak == 0)
+        self.first_bad_step.copy_(torch.where(starts, step, self.first_bad_step))
+        self.norms_at_first_bad.copy_(torch.where(starts, norms, self.norms_at_first_bad))
+        self.streak.copy_(torch.where(bad, self.streak + 1, 0))
+
+    def in_streak(self) -> bool:
+        return bool(self.streak)
+
+    def check(self) -> None:
+        streak = int(self.streak)
+        if not self.limit or streak < self.limit:
+            return
+        first = int(self.first_bad_step)
+        norms = self.norms_at_first_bad.tolist()
+        # Non-finite first, then the largest: where the blow-up starts.
+        order = sorted(range(len(norms)), key=lambda i: (math.isfinite(norms[i]), -abs(norms[i])
+                                                         if math.isfinite(norms[i]) else 0))
+        largest = ", ".join(f"{self.names[i]} {norms[i]:.3g}" for i in order[:5])
+        good = [c for c in self.t.checkpoints.dir.glob("step_*") if int(c.name.removeprefix("step_")) < first]
+        last_good = f"the last checkpoint before it is {max(good)}" if good else "no checkpoint precedes it"
+        what = ("steps in a row were skipped by the fp16 loss scaler (gradients overflow at any scale)"
+                if self.t.loss_scaler.enabled else "steps in a row had a non-finite loss or gradient norm")
+        raise TrainingDiverged(
+            f"training diverged: {streak} {what}, from iteration {first}; {last_good}. Largest gradients at "
+            f"iteration {first} (this rank's shards): {largest}. Resume from that checkpoint with a lower optim.lr "
+            f"or stronger optim.clip_grad_norm, or raise train.max_nonfinite_steps (0: never stop)")
 
 
 def check_compile_available() -> None:
@@ -777,8 +840,10 @@ class PlotHook(Hook):
 
 
 def default_hooks(trainer: Trainer, tensorboard: bool = True) -> list[Hook]:
+    step = trainer.state.step  # 0 on a fresh start: what an attempt killed before its first checkpoint logged goes
     writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo,
-                           enabled=trainer.mesh.is_main)
+                           enabled=trainer.mesh.is_main, resumed_at=step,
+                           evaluations_redone=step in (0, trainer.max_steps))
     # Order matters at the end: evaluate, then save and export, (evaluate by generation, which may use the
     # export), then plot what was logged.
     hooks = [ProgressHook(trainer), LogHook(trainer, writer), EvalHook(trainer, writer), CheckpointHook(trainer)]
