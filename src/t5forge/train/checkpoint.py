@@ -8,6 +8,7 @@ period, keep-last, HF export)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -292,18 +293,60 @@ def save_training_checkpoint(
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": _rng_tensors()}
-    dcp.save(tensors, checkpoint_id=staging)
+    try:
+        dcp.save(tensors, checkpoint_id=staging)
+        if main:
+            state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
+            hf = config_to_hf(model.config, dtype=_dtype_of(model))
+            (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+            write_manifest(staging)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise_if_disk_full(e, final, _state_bytes(tensors))
+        raise
     if main:
-        state = dict(trainer_state, step=step, optimizer_param_groups=optim_state["param_groups"])
-        hf = config_to_hf(model.config, dtype=_dtype_of(model))
-        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-        write_manifest(staging)
         publish_checkpoint(staging, final)
         write_text_atomic(checkpoints_dir / LATEST, final.name + "\n")
         prune_checkpoints(checkpoints_dir, keep_last, keep=final)
     _barrier()
     return final
+
+
+def _state_bytes(tree) -> int:
+    """Bytes of the tensors of a (nested) state dict, sharded ones counted whole: about a checkpoint's size."""
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether a write failed for lack of space: DCP wraps the OSError of each rank, torch's writers turn it
+    into a RuntimeError ("file write failed"), so the chain and the messages are searched."""
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in ("No space left on device", "file write failed", "Disk quota")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def raise_if_disk_full(error: BaseException, target: Path, needed: int) -> None:
+    """Writing `target` failed with `error`: when the disk is full (or too full to hold it), raise one error
+    naming the space needed instead (from `error`); otherwise return, for the caller to re-raise."""
+    if isinstance(error, KeyboardInterrupt):
+        return
+    free = shutil.disk_usage(target.parent if target.parent.exists() else ".").free
+    if not (_disk_full(error) or free < needed):
+        return
+    raise CheckpointError(
+        f"no space left on device for {target}: it needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB "
+        f"are free on {target.parent}; the partial write was removed and earlier checkpoints are intact. Free "
+        "some space (or lower train.keep_last) and run again: it resumes from the last checkpoint") from error
 
 
 def _aside(checkpoint: Path, why: str) -> Path:
@@ -528,12 +571,16 @@ class CheckpointManager:
             return target
         if target.exists():
             shutil.rmtree(target)
-        with atomic_directory(target) as staging:
-            save_pretrained_streamed(config, sizes, tensors, staging, dtype=_dtype_of(model))
-            for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                source = Path(tokenizer_dir) / name if tokenizer_dir else None
-                if source is not None and source.is_file():
-                    (staging / name).write_bytes(source.read_bytes())
+        try:
+            with atomic_directory(target) as staging:
+                save_pretrained_streamed(config, sizes, tensors, staging, dtype=_dtype_of(model))
+                for name in ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                    source = Path(tokenizer_dir) / name if tokenizer_dir else None
+                    if source is not None and source.is_file():
+                        (staging / name).write_bytes(source.read_bytes())
+        except BaseException as e:
+            raise_if_disk_full(e, target, sum(sizes.values()))
+            raise
         self.echo(f"exported HF model and tokenizer to {target}")
         _barrier()
         return target

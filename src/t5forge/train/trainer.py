@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -258,6 +259,7 @@ class Trainer:
     def __init__(self, run: RunConfig, echo=print):
         self.run = run
         self.run_dir = Path(run.train.output_dir)
+        check_output_dir(self.run_dir)
         self.global_batch_size, self.accumulation = batch_arithmetic(
             run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
         # Cheap checks first, on every rank, before any process group or data exists.
@@ -647,18 +649,30 @@ class DivergenceGuard:
             return
         first = int(self.first_bad_step)
         norms = self.norms_at_first_bad.tolist()
-        # Non-finite first, then the largest: where the blow-up starts.
-        order = sorted(range(len(norms)), key=lambda i: (math.isfinite(norms[i]), -abs(norms[i])
-                                                         if math.isfinite(norms[i]) else 0))
-        largest = ", ".join(f"{self.names[i]} {norms[i]:.3g}" for i in order[:5])
+        bad = [self.names[i] for i, n in enumerate(norms) if not math.isfinite(n)]
+        finite = sorted((i for i, n in enumerate(norms) if math.isfinite(n)), key=lambda i: -norms[i])
+        gradients = (f"non-finite gradients in {len(bad)} of {len(norms)} parameters (this rank's shards; first: "
+                     f"{', '.join(bad[:3])})" if bad else "all gradients finite (the loss was not)")
+        if finite:
+            gradients += "; largest finite: " + ", ".join(f"{self.names[i]} {norms[i]:.3g}" for i in finite[:3])
         good = [c for c in self.t.checkpoints.dir.glob("step_*") if int(c.name.removeprefix("step_")) < first]
         last_good = f"the last checkpoint before it is {max(good)}" if good else "no checkpoint precedes it"
         what = ("steps in a row were skipped by the fp16 loss scaler (gradients overflow at any scale)"
                 if self.t.loss_scaler.enabled else "steps in a row had a non-finite loss or gradient norm")
         raise TrainingDiverged(
-            f"training diverged: {streak} {what}, from iteration {first}; {last_good}. Largest gradients at "
-            f"iteration {first} (this rank's shards): {largest}. Resume from that checkpoint with a lower optim.lr "
+            f"training diverged: {streak} {what}, from iteration {first}; {last_good}. At iteration {first}: "
+            f"{gradients}. Resume from that checkpoint with a lower optim.lr "
             f"or stronger optim.clip_grad_norm, or raise train.max_nonfinite_steps (0: never stop)")
+
+
+def check_output_dir(path: Path) -> None:
+    """train.output_dir is a directory this process can write, or can be created as one."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"train.output_dir={path} is a file, not a directory; choose another train.output_dir")
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.output_dir={path} cannot be written ({existing} is not a writable directory); "
+                          "choose another train.output_dir or fix its permissions")
 
 
 def check_compile_available() -> None:
