@@ -183,14 +183,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relaunch(nproc_per_node: int, command: list[str]) -> int:
-    """Convenience for one machine: run `t5forge COMMAND ...` under torchrun with N processes; returns the
+def _relaunch(nproc_per_node: int, command: list[str], max_restarts: int = 0) -> int:
+    """Convenience for one machine: run `t5forge COMMAND ...` under torchrun with N processes (restarted up to
+    `max_restarts` times when a rank dies: they resume from the newest complete checkpoint); returns the
     exit status of the first failing rank (which printed its own error), else 0."""
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # Restarted ranks must not share the rendezvous store with the agent: they would read the previous
+    # attempt's addresses and fail to connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", "-m", "t5forge", *command])
+        torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m",
+                  "t5forge", *command])
     except ChildFailedError as e:
         return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
     return 0
@@ -221,7 +228,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node and not _under_launcher():
         task = ["data.task=text_to_text"] if command == "finetune" else []
         _check_process_count(args.config, [*task, *args.overrides], args.nproc_per_node)
-        return _relaunch(args.nproc_per_node, [command, args.config, *args.overrides])
+        return _relaunch(args.nproc_per_node, [command, args.config, *args.overrides], args.max_restarts)
     from t5forge.config import load_config
     from t5forge.train.trainer import train
 
@@ -438,17 +445,21 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
         return command
 
-    run_command("train", cmd_train, "pretrain a T5 on an indexed dataset",
+    train_command = run_command("train", cmd_train, "pretrain a T5 on an indexed dataset",
                 "CONFIG is a YAML run config (see configs/); each key=value (dotted, e.g. train.max_steps=100) "
                 "overrides it.",
                 "start N processes on this machine (torchrun --standalone); for several machines run "
                 "`torchrun ... -m t5forge train` on each (see README)")
-    run_command("finetune", cmd_train,
+    finetune_command = run_command("finetune", cmd_train,
                 "fine-tune on a text-to-text task (JSONL input/target lines), scored by generation",
                 "As `train`, with data.task=text_to_text: CONFIG names model.path (an HF directory or a t5forge "
                 "run), data.train_file (and valid_file), data.inputs_length and targets_length. Writes "
                 "RUN_DIR/predictions/, the task metrics in metrics.jsonl and the best model in RUN_DIR/best.",
                 "start N processes on this machine")
+    for command in (train_command, finetune_command):
+        command.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                             help="with --nproc-per-node: restart the processes up to N times when one dies; "
+                                  "they resume from the newest complete checkpoint (train.resume=auto)")
     audit = run_command(
         "comm-audit", cmd_comm_audit,
         "run two training steps of a layout and compare every collective of the second with the layout's "
