@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import (
     ConfigKeyError,
@@ -201,10 +203,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (for example train.max_steps=100)")
+        key = item.split("=", 1)[0]
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key):  # OmegaConf fails oddly on other keys
+            raise ConfigError(f"override {item!r}: {key!r} is not a dotted key (for example train.max_steps=100)")
         try:
             config = OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
             raise _explain(e, f"override {item!r}") from None
+        except yaml.YAMLError as e:  # the value is parsed as YAML
+            raise ConfigError(f"override {item!r}: its value is not valid YAML ({str(e).splitlines()[0]}); "
+                              "quote it") from None
     try:
         run: RunConfig = OmegaConf.to_object(config)
     except OmegaConfBaseException as e:

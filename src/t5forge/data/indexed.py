@@ -77,6 +77,12 @@ class IndexedDataset:
         self.pointers = np.frombuffer(buffer, np.int64, num_seqs, offset)
         offset += 8 * num_seqs
         self.document_starts = np.frombuffer(buffer, np.int64, num_docs, offset)
+        if np.any(self.lengths < 0):
+            raise DatasetError(f"{idx} is corrupt (negative sequence lengths); rebuild it with `t5forge preprocess`")
+        if num_docs and (self.document_starts[0] != 0 or self.document_starts[-1] != num_seqs
+                         or np.any(np.diff(self.document_starts) < 0)):
+            raise DatasetError(f"{idx} is corrupt (its document index does not cover sequences 0..{num_seqs} in "
+                               "order); rebuild it with `t5forge preprocess`")
 
         total = int(self.lengths.sum(dtype=np.int64))
         bin_bytes = bin_.stat().st_size
@@ -104,3 +110,11 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
+
+    def check_token_ids(self, vocab_size: int, chunk: int = 1 << 26) -> None:
+        """Every token id is below `vocab_size` (one pass over the .bin, in chunks: ~GB/s)."""
+        for start in range(0, self.num_tokens, chunk):
+            largest = int(self.tokens[start:start + chunk].max())
+            if largest >= vocab_size:
+                raise DatasetError(f"{self.prefix}.bin holds token id {largest}, beyond the tokenizer's {vocab_size} "
+                                   "ids: it was built with another tokenizer; rebuild it with `t5forge preprocess`")

@@ -107,6 +107,7 @@ def build_pretraining_data(
 ) -> PretrainingData:
     tokenizer = T5Tokenizer(tokenizer_dir)
     indexed = IndexedDataset(dataset_prefix)
+    indexed.check_token_ids(tokenizer.vocab_size)
     corruption = SpanCorruption(
         inputs_length=inputs_length, noise_density=noise_density, mean_noise_span_length=mean_noise_span_length,
         eos_id=tokenizer.eos_id,
