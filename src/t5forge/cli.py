@@ -356,12 +356,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint_verify(args) -> int:
     from t5forge.errors import CheckpointError
-    from t5forge.train.checkpoint import checkpoint_problems, is_dcp_checkpoint
+    from t5forge.train.checkpoint import MANIFEST, checkpoint_problems, is_dcp_checkpoint
 
     root = Path(args.directory)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory; pass a checkpoint, a run's checkpoints/ or a run directory")
-    found = ([root] if is_dcp_checkpoint(root) or (root / "manifest.json").is_file()
+    found = ([root] if is_dcp_checkpoint(root) or (root / MANIFEST).is_file()
              else sorted([*root.glob("step_*"), *root.glob("checkpoints/step_*")]))
     if not found:
         raise CheckpointError(f"{root} holds no checkpoint (no .metadata, no step_* directories)")

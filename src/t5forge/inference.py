@@ -31,7 +31,7 @@ def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike 
 
     source = Path(source)
     if (source / "config.yaml").is_file():  # a run directory
-        checkpoint = latest_checkpoint(source / "checkpoints")
+        checkpoint = latest_checkpoint(source / "checkpoints", checksums=False)  # (loading verifies checksums)
         if checkpoint is None:
             raise CheckpointError(f"{source} has no checkpoint yet (no checkpoints/latest)")
         model = load_model_checkpoint(checkpoint, dtype=torch.float32, device=device)

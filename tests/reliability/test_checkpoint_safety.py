@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import build_hf_model
+from step_hooks import AtStep
 
 from t5forge.cli import main
 from t5forge.errors import CheckpointError, TrainingDiverged
@@ -162,19 +163,10 @@ def run_config(tmp_path, dataset_prefix, tokenizer_dir, *overrides, output=None)
         "train.save_period=1", "train.keep_last=20", "optim.lr=3e-3", *overrides])
 
 
-class PoisonAt:
-    """A hook that writes NaN into one weight after a given step, as an overflow would."""
-
-    def __init__(self, step: int, trainer: Trainer):
-        self.step, self.trainer = step, trainer
-
-    def before_train(self): ...
-    def after_train(self): ...
-
-    def after_step(self, info):
-        if info.step == self.step:
-            with torch.no_grad():
-                self.trainer.model.encoder.block[0].layer[1].DenseReluDense.wo.weight[0, 0] = float("nan")
+def poison(trainer: Trainer) -> None:
+    """Write NaN into one weight, as an overflow would."""
+    with torch.no_grad():
+        trainer.model.encoder.block[0].layer[1].DenseReluDense.wo.weight[0, 0] = float("nan")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -183,7 +175,7 @@ def test_a_diverging_run_stops_naming_the_step_and_the_last_good_checkpoint(prec
     run = run_config(tmp_path, dataset_prefix, tokenizer_dir, f"precision.dtype={precision}",
                      "train.max_nonfinite_steps=3")
     with Trainer(run, echo=lambda *_: None) as trainer, pytest.raises(TrainingDiverged) as stopped:
-        trainer.run_training(default_hooks(trainer, tensorboard=False) + [PoisonAt(2, trainer)])
+        trainer.run_training(default_hooks(trainer, tensorboard=False) + [AtStep(2, lambda: poison(trainer))])
     message = str(stopped.value)
     assert "from iteration 3" in message and "the last checkpoint before it is" in message
     assert message.count("step_00000002") == 1

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from hf_reference import load_hf_model
+from step_hooks import AtStep
 
 from t5forge.cli import main
 from t5forge.config import load_config
@@ -39,18 +40,9 @@ class Crash(Exception):
     pass
 
 
-class CrashAt:
-    """A hook that kills the run after a given step, as a lost node would."""
-
-    def __init__(self, step: int, trainer: Trainer):
-        self.step, self.trainer = step, trainer
-
-    def before_train(self): ...
-    def after_train(self): ...
-
-    def after_step(self, info):
-        if info.step == self.step:
-            raise Crash
+def crash() -> None:
+    """What a lost node does to a run."""
+    raise Crash
 
 
 def test_resumed_run_gives_bitwise_the_losses_of_the_uninterrupted_run(tmp_path, dataset_prefix, tokenizer_dir):
@@ -63,7 +55,7 @@ def test_resumed_run_gives_bitwise_the_losses_of_the_uninterrupted_run(tmp_path,
     (crashed.run_dir / "config.yaml").write_text((straight.run_dir / "config.yaml").read_text()
                                                  .replace(str(straight.run_dir), str(crashed.run_dir)))
     with crashed, pytest.raises(Crash):  # checkpoint at step 3, crash after step 4
-        crashed.run_training(default_hooks(crashed, tensorboard=False) + [CrashAt(4, crashed)])
+        crashed.run_training(default_hooks(crashed, tensorboard=False) + [AtStep(4, crash)])
     assert crashed.state.losses == straight.state.losses[:4]
 
     resumed = quiet_train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *common, name="resumed"))

@@ -20,7 +20,7 @@ def evaluate_run(run_dir: str | os.PathLike, split: str = "valid", samples: int 
     if not (run_dir / "config.yaml").is_file():
         raise CheckpointError(f"{run_dir} is not a t5forge run directory (no config.yaml)")
     run = load_config(run_dir / "config.yaml")
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints", checksums=False)  # (loading verifies checksums)
     if path is None:
         raise CheckpointError(f"{run_dir} has no checkpoint yet (no checkpoints/latest)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
