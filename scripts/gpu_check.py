@@ -35,7 +35,8 @@ from t5forge.data.corpus import write_python_docs
 from t5forge.data.preprocess import preprocess
 from t5forge.data.tokenizer import train_tokenizer
 from t5forge.train.metrics import read_metrics
-from t5forge.train.trainer import Hook, StepInfo, Trainer, default_hooks
+from t5forge.train.hooks import Hook, StepInfo
+from t5forge.train.trainer import Trainer, default_hooks
 
 BASE_SHAPE = ["model.preset=t5-v1_1-base"]  # 248M parameters: d_model 768, 12+12 layers, vocab 32128
 # The bench case: t5-v1.1-base (d_model 768, d_ff 2048, 12 heads of 64, 12+12 layers), 512 -> 114 tokens, bf16,
@@ -81,7 +82,7 @@ def hf_reference(shape_overrides: list[str], device: torch.device, work: Path):
     from transformers import T5ForConditionalGeneration as HFModel
 
     from t5forge.models.t5 import T5ForConditionalGeneration
-    from t5forge.train.trainer import build_model_config
+    from t5forge.train.build import build_model_config
 
     run = load_config(None, [*shape_overrides, "data.dataset=x", "data.tokenizer=x", "train.output_dir=x",
                              "train.max_steps=1", "model.dropout_rate=0"])

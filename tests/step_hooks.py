@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5forge.train.trainer import Hook, StepInfo
+from t5forge.train.hooks import Hook, StepInfo
 
 
 class AtStep(Hook):

@@ -106,7 +106,7 @@ def test_packed_rows_give_every_target_token_the_logits_it_gets_alone(tmp_path, 
 
     from t5forge.models.presets import get_preset
     from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-    from t5forge.train.trainer import model_inputs
+    from t5forge.train.forward import model_inputs
 
     tok = T5Tokenizer(tokenizer_dir)
     records = [{"input": "word " * (3 + i % 7) + str(i), "target": "name " * (1 + i % 3)} for i in range(12)]

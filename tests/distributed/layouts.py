@@ -31,7 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from t5forge.config import load_config
 from t5forge.parallel.pipeline import FullParameters
-from t5forge.train.trainer import Hook, Trainer, default_hooks
+from t5forge.train.finetune import generation_eval_hooks
+from t5forge.train.hooks import Hook
+from t5forge.train.trainer import Trainer, default_hooks
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: shared test helpers
 from host_reads import count_host_reads_per_step  # noqa: E402
@@ -124,8 +126,10 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     overrides = base_overrides(data, tokenizer, str(out / name)) + [w for w in words if w.split("=")[0] not in special]
     if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
         raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
-    trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
-    hooks = default_hooks(trainer, tensorboard=False)
+    run = load_config(None, overrides)
+    trainer = Trainer(run, echo=lambda *_: None)
+    hooks = default_hooks(trainer, tensorboard=False,
+                          extra=generation_eval_hooks(run) if run.data.task == "text_to_text" else None)
     if "inject_collective" in special:
         inject_redundant_collective(trainer)
     if "stop_after" in special:

@@ -27,6 +27,7 @@ from t5forge.parallel.comm_audit import format_report
 from t5forge.parallel.mesh import check_layout
 from t5forge.train.checkpoint import load_model_checkpoint
 from t5forge.train.metrics import read_metrics
+from t5forge.train.finetune import finetune
 from t5forge.train.trainer import Trainer, train
 
 HERE = Path(__file__).parent
@@ -138,8 +139,9 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED), ("finetune", 3, finetune),
                               ("finetune_packed", 3, [*finetune, "data.packing=true"])):
         overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))
-        trainer = train(load_config(None, [*overrides, f"train.max_steps={steps}", *extra]), echo=lambda *_: None,
-                        tensorboard=False)
+        run = load_config(None, [*overrides, f"train.max_steps={steps}", *extra])
+        trainer = (finetune if run.data.task == "text_to_text" else train)(run, echo=lambda *_: None,
+                                                                           tensorboard=False)
         reference[key] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
         if key == 3:  # a trained model as an HF directory, for sharded loading
             trainer.model.save_pretrained(out / "hf_reference")

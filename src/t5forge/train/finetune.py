@@ -23,11 +23,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from t5forge.config import RunConfig, load_config
+from t5forge.config import FinetuneConfig, RunConfig, load_config
+from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
 from t5forge.fileio import atomic_directory, write_text_atomic
+from t5forge.inference import generate_from_ids
+from t5forge.models.hf import from_pretrained
+from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.parallel.mesh import Mesh
+from t5forge.train.forward import autocast
+from t5forge.train.hooks import Hook, StepInfo, TrainState
+from t5forge.train.metrics import MetricsWriter
 from t5forge.train.task_metrics import score
-from t5forge.train.trainer import Hook, Trainer, autocast
+from t5forge.train.trainer import Trainer, train
 
 
 def load_finetune_config(path: str | None, overrides: list[str]) -> RunConfig:
@@ -50,29 +58,54 @@ def check_generation_eval(run: RunConfig) -> None:
                           "set train.export_hf=true")
 
 
+def finetune(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
+    """Train a text-to-text run (`train`), evaluated by generation."""
+    check_generation_eval(run)
+    return train(run, echo=echo, tensorboard=tensorboard, extra_hooks=generation_eval_hooks(run))
+
+
+def generation_eval_hooks(run: RunConfig):
+    """The hooks a text-to-text run adds to the trainer's (train's `extra_hooks`, default_hooks' `extra`)."""
+    def hooks(trainer: Trainer, writer: MetricsWriter) -> list[Hook]:
+        return [GenerationEvalHook(
+            writer, trainer.state, model=trainer.model, tokenizer=trainer.data.tokenizer, mesh=trainer.mesh,
+            precision=run.precision.dtype, examples=trainer.data.valid.examples[:run.train.eval_samples],
+            settings=run.finetune, targets_length=trainer.plan.targets_length, eval_period=run.train.eval_period,
+            fsdp=run.parallel.zero_stage >= 2, pp=run.parallel.pp, run_dir=trainer.run_dir,
+            export=trainer.export_hf, exports=run.train.export_hf, echo=trainer.echo)]
+    return hooks
+
+
 class GenerationEvalHook(Hook):
-    def __init__(self, trainer: Trainer, writer):
-        check_generation_eval(trainer.run)
-        self.t, self.writer = trainer, writer
-        f = trainer.run.finetune
-        self.examples = trainer.data.valid.examples[:trainer.run.train.eval_samples]
-        self.settings = {"max_new_tokens": f.max_new_tokens or trainer.targets_length, "num_beams": f.num_beams}
-        self.best_dir = trainer.run_dir / "best"
+    """Generates `examples` with the training `model` in its layout (or, when `pipelined`, with the run's HF
+    export at the end, when `pp` > 1), scores them, writes predictions and scores, and keeps the best model in
+    RUN_DIR/best through `export(name)`."""
+
+    def __init__(self, writer: MetricsWriter, state: TrainState, *, model: T5ForConditionalGeneration,
+                 tokenizer: T5Tokenizer, mesh: Mesh, precision: str, examples: list, settings: FinetuneConfig,
+                 targets_length: int, eval_period: int, fsdp: bool, pp: int, run_dir: Path, export,
+                 exports: bool, echo):
+        self.writer, self.state, self.model, self.tokenizer, self.mesh = writer, state, model, tokenizer, mesh
+        self.precision, self.examples, self.eval_period = precision, examples, eval_period
+        self.metric, self.batch_size = settings.best_metric, settings.eval_batch_size
+        self.generate = {"max_new_tokens": settings.max_new_tokens or targets_length, "num_beams": settings.num_beams}
+        self.fsdp, self.pp, self.pipelined, self.run_dir = fsdp, pp, pp > 1, run_dir
+        self.export, self.exports, self.echo = export, exports, echo
+        self.best_dir = run_dir / "best"
         self.best = None  # {"metric", "value", "iteration", "scores"} of RUN_DIR/best
-        if (self.best_dir / "best.json").is_file() and trainer.state.step > 0:  # a resumed run keeps its best
+        if (self.best_dir / "best.json").is_file() and state.step > 0:  # a resumed run keeps its best
             self.best = json.loads((self.best_dir / "best.json").read_text(encoding="utf-8"))
         self.last_step = -1
 
     def before_train(self) -> None:
-        if self.t.pipeline is not None:
-            self.t.echo(f"parallel.pp={self.t.run.parallel.pp}: evaluation by generation runs once, at the end, on "
-                        "the HF export (a pipelined model cannot decode token by token)")
-        elif self.t.state.step == 0:
+        if self.pipelined:
+            self.echo(f"parallel.pp={self.pp}: evaluation by generation runs once, at the end, on the HF export "
+                      "(a pipelined model cannot decode token by token)")
+        elif self.state.step == 0:
             self.evaluate()  # the starting point
 
-    def after_step(self, info) -> None:
-        period = self.t.run.train.eval_period
-        if period and info.step % period == 0 and self.t.pipeline is None:
+    def after_step(self, info: StepInfo) -> None:
+        if self.eval_period and info.step % self.eval_period == 0 and not self.pipelined:
             self.evaluate()
 
     def after_train(self) -> None:
@@ -80,56 +113,53 @@ class GenerationEvalHook(Hook):
 
     # -- one evaluation --------------------------------------------------------------------------------
     def evaluate(self, final: bool = False) -> None:
-        t = self.t
-        if self.last_step == t.state.step:
+        step = self.state.step
+        if self.last_step == step:
             return
-        self.last_step = t.state.step
-        predictions = self._predict_on_export() if t.pipeline is not None else self._predict()
+        self.last_step = step
+        predictions = self.predict_on_export() if self.pipelined else self.predict()
         is_best = False
-        if t.mesh.is_main:
+        if self.mesh.is_main:
             scores = score(predictions, [e.target for e in self.examples])
-            path = self._write_predictions(predictions)
-            metric = t.run.finetune.best_metric
-            is_best = self.best is None or scores[metric] > self.best["value"]
-            how = "greedy" if self.settings["num_beams"] == 1 else f"beam {self.settings['num_beams']}"
+            path = self.write_predictions(predictions)
+            is_best = self.best is None or scores[self.metric] > self.best["value"]
+            how = "greedy" if self.generate["num_beams"] == 1 else f"beam {self.generate['num_beams']}"
             self.writer.write(
-                {"iteration": t.state.step, "consumed_samples": t.state.consumed_samples,
+                {"iteration": step, "consumed_samples": self.state.consumed_samples,
                  **{f"valid_{k}": v for k, v in scores.items()}, "valid_generated": len(predictions),
                  "predictions": str(path)},
-                f"generation eval at iteration {t.state.step} ({len(predictions)} examples, {how}): "
+                f"generation eval at iteration {step} ({len(predictions)} examples, {how}): "
                 + " ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f"; predictions {path}")
             if is_best:
-                self.best = {"metric": metric, "value": scores[metric], "iteration": t.state.step, "scores": scores}
-        is_best = self._broadcast(is_best)
-        if is_best:
-            self._keep_best(final)
+                self.best = {"metric": self.metric, "value": scores[self.metric], "iteration": step, "scores": scores}
+        box = [is_best]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            self.keep_best(final)
 
-    def _predict(self) -> list[str] | None:
+    def predict(self) -> list[str] | None:
         """Predictions of the training model for every example on rank 0 (None elsewhere)."""
-        from t5forge.inference import generate_from_ids
-
-        t, mesh = self.t, self.t.mesh
+        model, mesh, device = self.model, self.mesh, self.mesh.device
         per_rank = math.ceil(len(self.examples) / mesh.dp_size)
         mine = self.examples[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
         real = len(mine)
         mine = mine + [self.examples[-1]] * (per_rank - real)  # equal counts on every dp rank
-        fsdp = t.run.parallel.zero_stage >= 2
-        if fsdp:
+        if self.fsdp:
             # FSDP sets itself up in the root module's first forward pass, and generation calls the encoder and
             # decoder directly: one token through the root first (it leaves the root's parameters gathered:
             # embedding, head and final norms, for the whole generation).
-            token = torch.full((1, 1), t.data.tokenizer.eos_id, device=t.device)
-            with torch.no_grad(), autocast(t.device, t.run.precision.dtype):
-                t.model(input_ids=token, decoder_input_ids=token)
-            t.model.unshard()
+            token = torch.full((1, 1), self.tokenizer.eos_id, device=device)
+            with torch.no_grad(), autocast(device, self.precision):
+                model(input_ids=token, decoder_input_ids=token)
+            model.unshard()
         try:
-            with autocast(t.device, t.run.precision.dtype):
+            with autocast(device, self.precision):
                 predictions, _ = generate_from_ids(
-                    t.model, t.data.tokenizer, [e.input_ids for e in mine], t.run.finetune.eval_batch_size,
-                    stop_group=mesh.dp_group if fsdp and mesh.dp_size > 1 else None, **self.settings)
+                    model, self.tokenizer, [e.input_ids for e in mine], self.batch_size,
+                    stop_group=mesh.dp_group if self.fsdp and mesh.dp_size > 1 else None, **self.generate)
         finally:
-            if fsdp:
-                t.model.reshard()
+            if self.fsdp:
+                model.reshard()
         predictions = predictions[:real]
         if mesh.dp_size == 1:
             return predictions
@@ -137,50 +167,41 @@ class GenerationEvalHook(Hook):
         dist.all_gather_object(gathered, predictions, group=mesh.dp_group)
         return [p for part in gathered for p in part] if mesh.is_main else None
 
-    def _predict_on_export(self) -> list[str] | None:
+    def predict_on_export(self) -> list[str] | None:
         """Pipelined models: rank 0 generates with the HF export of the run (written just before)."""
-        from t5forge.inference import generate_from_ids
-        from t5forge.models.hf import from_pretrained
-
-        t = self.t
+        device = self.mesh.device
         predictions = None
-        if t.mesh.is_main:
-            model = from_pretrained(t.run_dir / "hf", dtype=torch.float32, device=t.device).eval()
-            with autocast(t.device, t.run.precision.dtype):
-                predictions, _ = generate_from_ids(model, t.data.tokenizer, [e.input_ids for e in self.examples],
-                                                   t.run.finetune.eval_batch_size, **self.settings)
+        if self.mesh.is_main:
+            model = from_pretrained(self.run_dir / "hf", dtype=torch.float32, device=device).eval()
+            with autocast(device, self.precision):
+                predictions, _ = generate_from_ids(model, self.tokenizer, [e.input_ids for e in self.examples],
+                                                   self.batch_size, **self.generate)
             del model
         dist.barrier()
         return predictions
 
-    def _broadcast(self, flag: bool) -> bool:
-        box = [flag]
-        dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
-
-    def _write_predictions(self, predictions: list[str]) -> Path:
-        path = self.t.run_dir / "predictions" / f"iter_{self.t.state.step:07d}.jsonl"
+    def write_predictions(self, predictions: list[str]) -> Path:
+        path = self.run_dir / "predictions" / f"iter_{self.state.step:07d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, "".join(
             json.dumps({"source": e.source, "input": e.input, "target": e.target, "prediction": p},
                        ensure_ascii=False) + "\n" for e, p in zip(self.examples, predictions)))
         return path
 
-    def _keep_best(self, final: bool) -> None:
+    def keep_best(self, final: bool) -> None:
         """RUN_DIR/best: the model of this iteration (a copy of the final export at the end, when there is
         one; else gathered from the layout, collectively), with best.json."""
-        t = self.t
-        export = t.run_dir / "hf"
-        if final and t.run.train.export_hf and (t.pipeline is not None or export.is_dir()):
-            if t.mesh.is_main:
+        export = self.run_dir / "hf"
+        if final and self.exports and (self.pipelined or export.is_dir()):
+            if self.mesh.is_main:
                 if self.best_dir.exists():
                     shutil.rmtree(self.best_dir)
                 with atomic_directory(self.best_dir) as staging:
                     shutil.copytree(export, staging, dirs_exist_ok=True)
         else:
-            t.checkpoints.export_hf(t.model, t.model_config, t.run.data.tokenizer, t.mesh, name="best")
-        if t.mesh.is_main:
+            self.export("best")
+        if self.mesh.is_main:
             write_text_atomic(self.best_dir / "best.json", json.dumps(self.best, indent=1))
-            t.echo(f"best {self.best['metric']} so far ({self.best['value']:.2f} at iteration "
-                   f"{self.best['iteration']}): {self.best_dir}")
+            self.echo(f"best {self.best['metric']} so far ({self.best['value']:.2f} at iteration "
+                      f"{self.best['iteration']}): {self.best_dir}")
         dist.barrier()
