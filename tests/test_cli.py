@@ -145,3 +145,16 @@ def test_positional_lists_may_continue_after_options(capsys):
     with pytest.raises(SystemExit):
         parse_args(["generate", "MODEL", "text", "--no-such-option"])
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_version_and_top_level_help_say_what_t5forge_is(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"t5forge {version('t5forge')}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Pretrain, fine-tune, evaluate, benchmark and run HuggingFace-compatible T5" in help_text
+    assert "train" in help_text and "generate" in help_text

@@ -1,5 +1,6 @@
-"""The `t5forge` command. Each subcommand is a thin wrapper over the library; this is the only place
-that turns t5forge errors into a one-line message and exit status 2."""
+"""The `t5forge` command: argument parsing, dispatch to the library, and error mapping. Each subcommand is a
+thin wrapper over the library; this is the only place that turns t5forge errors into a one-line message and
+exit status 2."""
 
 from __future__ import annotations
 
@@ -204,14 +205,17 @@ def _relaunch(nproc_per_node: int, command: list[str], max_restarts: int = 0) ->
 
 
 def _check_process_count(config: str, overrides: list[str], nproc_per_node: int) -> None:
-    """Before starting processes: the layout must use exactly the processes asked for."""
+    """Before starting processes: the layout must use exactly the processes asked for, and fit the model."""
     from t5forge.config import load_config
     from t5forge.errors import ConfigError
+    from t5forge.train.build import check_layout
 
-    p = load_config(config, ["train.output_dir=unused", *overrides]).parallel
+    run = load_config(config, ["train.output_dir=unused", *overrides])
+    p = run.parallel
     if p.dp * p.tp * p.pp != nproc_per_node:
         raise ConfigError(f"parallel.dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp}, but "
                           f"--nproc-per-node={nproc_per_node}; make them equal")
+    check_layout(run, nproc_per_node)
 
 
 def _under_launcher() -> bool:
@@ -230,16 +234,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_process_count(args.config, [*task, *args.overrides], args.nproc_per_node)
         return _relaunch(args.nproc_per_node, [command, args.config, *args.overrides], args.max_restarts)
     from t5forge.config import load_config
+    from t5forge.train.finetune import finetune, load_finetune_config
     from t5forge.train.trainer import train
 
-    if command == "finetune":
-        from t5forge.train.finetune import load_finetune_config
-
-        run = load_finetune_config(args.config, args.overrides)
-    else:
-        run = load_config(args.config, args.overrides)
+    run = (load_finetune_config if command == "finetune" else load_config)(args.config, args.overrides)
     configure_cpu_training()
-    run_dir = train(run).run_dir
+    # A text-to-text run is evaluated by generation, whichever command started it.
+    run_dir = (finetune if run.data.task == "text_to_text" else train)(run).run_dir
     # The trainer is gone by now, collected while the interpreter is fully alive: communication handles
     # that FSDP keeps (gloo work objects holding tensors) must not die during interpreter shutdown, where
     # freeing them aborts the process ("terminate called without an active exception").
@@ -255,30 +256,17 @@ EXIT_EXCESS_COMMUNICATION = 1
 
 
 def cmd_comm_audit(args: argparse.Namespace) -> int:
-    import gc
     import os
-    import tempfile
 
     if args.nproc_per_node and not _under_launcher():
         _check_process_count(args.config, args.overrides, args.nproc_per_node)
         return _relaunch(args.nproc_per_node, ["comm-audit", args.config, *args.overrides,
                                                *(["--json"] if args.json else [])])
-    from t5forge.config import load_config
-    from t5forge.train.trainer import Trainer
+    from t5forge.train.trainer import run_comm_audit
 
-    with tempfile.TemporaryDirectory(prefix="t5forge-comm-audit-") as scratch:
-        # Two steps (the second is audited), nothing saved, evaluated or exported; the run directory gets
-        # comm_audit.json (a scratch one when the config names none).
-        forced = ["train.max_steps=2", "train.max_samples=null", "train.resume=never", "train.export_hf=false",
-                  "train.comm_audit=true"]
-        run = load_config(args.config, [f"train.output_dir={scratch}", *args.overrides, *forced])
-        configure_cpu_training()
-        main_rank = int(os.environ.get("RANK", "0")) == 0
-        with Trainer(run, echo=(lambda *_: None) if args.json else print) as trainer:
-            trainer.run_training(hooks=[])
-            report = trainer.comm_audit
-        del trainer
-        gc.collect()  # communication handles go while the interpreter is alive (see cmd_train)
+    configure_cpu_training()
+    report = run_comm_audit(args.config, args.overrides, echo=(lambda *_: None) if args.json else print)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     if args.json and main_rank:
         print(json.dumps(report, indent=1))
     return 0 if report["ok"] else EXIT_EXCESS_COMMUNICATION
@@ -297,60 +285,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import os
+    from t5forge.inference import generate_command
 
-    import torch
-
-    from t5forge.errors import ConfigError
-    from t5forge.inference import generate_texts, load_for_generation, load_sharded_for_generation, read_jsonl_inputs
-
-    if bool(args.texts) == bool(args.input):
-        raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
-    if args.output and not args.input:
-        raise ConfigError("--output writes the predictions of --input FILE.jsonl; without it they are printed")
-    texts = read_jsonl_inputs(args.input, args.input_field) if args.input else args.texts
-    if args.tp > 1:  # under torchrun: every rank runs the same search over its shards, rank 0 writes
-        model, tokenizer = load_sharded_for_generation(args.model, args.tokenizer, args.tp)
-        device = next(model.parameters()).device
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_for_generation(args.model, args.tokenizer, device)
-    settings = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                    num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
-                    do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
-                    length_penalty=args.length_penalty)
-    if args.seed is not None:
-        settings["generator"] = torch.Generator(device=device).manual_seed(args.seed)
-    writer = int(os.environ.get("RANK", "0")) == 0
-    if args.input and writer:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as progress:
-            task = progress.add_task("generating", total=len(texts))
-            predictions, speed = generate_texts(
-                model, tokenizer, texts, args.batch_size, args.max_input_tokens, args.truncate,
-                on_batch=lambda n: progress.advance(task, n), **settings)
-    else:
-        predictions, speed = generate_texts(model, tokenizer, texts, args.batch_size, args.max_input_tokens,
-                                            args.truncate, **settings)
-    if args.tp > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    if not writer:
-        return 0
-    if args.output:
-        from t5forge.fileio import write_text_atomic
-
-        write_text_atomic(args.output, "".join(json.dumps({args.input_field: text, "prediction": prediction})
-                                               + "\n" for text, prediction in zip(texts, predictions)))
-        print(f"wrote {len(predictions)} predictions to {args.output}")
-    else:
-        for text, prediction in zip(texts, predictions):
-            print(json.dumps({"input": text, "prediction": prediction}, ensure_ascii=False))
-    print(f"{speed['generated_tokens']} tokens in {speed['seconds']:.2f} s: {speed['tokens_per_s']:.1f} tokens/s",
-          file=sys.stderr)
+    generate_command(args.model, args.texts, input_path=args.input, input_field=args.input_field, output=args.output,
+                     tokenizer=args.tokenizer, tp=args.tp, batch_size=args.batch_size,
+                     max_input_tokens=args.max_input_tokens, truncate=args.truncate, seed=args.seed,
+                     progress=bool(args.input), max_new_tokens=args.max_new_tokens,
+                     min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
+                     num_return_sequences=args.num_return_sequences, do_sample=args.do_sample,
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+                     length_penalty=args.length_penalty)
     return 0
 
 
@@ -375,7 +320,13 @@ def cmd_checkpoint_verify(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="t5forge", description=__doc__.splitlines()[0])
+    import t5forge
+
+    parser = argparse.ArgumentParser(
+        prog="t5forge", description="Pretrain, fine-tune, evaluate, benchmark and run HuggingFace-compatible T5, "
+        "T5 v1.1, mT5, Flan-T5 and UMT5 models on PyTorch, from one CPU to many GPUs. Run `t5forge COMMAND -h` "
+        "for a command's options.")
+    parser.add_argument("--version", action="version", version=f"t5forge {t5forge.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = sub.add_parser("info", help="size and memory of a preset or an HF model directory")

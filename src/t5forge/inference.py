@@ -8,16 +8,28 @@ with the prediction (written atomically)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from t5forge.config import ParallelConfig
+from t5forge.data.text_to_text import read_jsonl
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import CheckpointError, ConfigError
-from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.fileio import write_text_atomic
+from t5forge.models.hf import HFTensorReader, config_from_hf, from_pretrained, read_hf_config
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.parallel.mesh import build_mesh, world_size_from_env
+from t5forge.parallel.parallelize import materialize_from_hf, parallelize_t5
+from t5forge.parallel.tensor_parallel import check_tp_divides
+from t5forge.train.build import load_run_model
 
 TOKENIZER_FIX = "use the tokenizer the model was trained with (--tokenizer)"
 
@@ -25,19 +37,12 @@ TOKENIZER_FIX = "use the tokenizer the model was trained with (--tokenizer)"
 def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike | None,
                         device: torch.device) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
     """The model and tokenizer of an HF directory or a t5forge run directory, checked against each other."""
-    import t5forge
-    from t5forge.config import load_config
-    from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint
-
     source = Path(source)
     if (source / "config.yaml").is_file():  # a run directory
-        checkpoint = latest_checkpoint(source / "checkpoints", checksums=False)  # (loading verifies checksums)
-        if checkpoint is None:
-            raise CheckpointError(f"{source} has no checkpoint yet (no checkpoints/latest)")
-        model = load_model_checkpoint(checkpoint, dtype=torch.float32, device=device)
-        tokenizer = tokenizer or load_config(source / "config.yaml").data.tokenizer
+        model, run, _ = load_run_model(source, device)
+        tokenizer = tokenizer or run.data.tokenizer
     elif (source / "config.json").is_file():
-        model = t5forge.from_pretrained(source, dtype=torch.float32, device=device)
+        model = from_pretrained(source, dtype=torch.float32, device=device)
         tokenizer = tokenizer or source
     else:
         raise CheckpointError(f"{source} is neither an HF model directory (config.json) nor a t5forge run "
@@ -47,19 +52,13 @@ def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike 
     return model.eval(), tok
 
 
-def load_sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike | None,
-                                tp: int) -> tuple[T5ForConditionalGeneration, T5Tokenizer]:
+@contextlib.contextmanager
+def sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike | None,
+                           tp: int) -> Iterator[tuple[T5ForConditionalGeneration, T5Tokenizer]]:
     """Under torchrun: the HF model of `source` sharded over `tp` ranks (tensor parallel; each rank reads
-    only its regions), and its tokenizer. Every rank then runs the same generate."""
-    import torch.distributed as dist
-
-    from t5forge.config import ParallelConfig
-    from t5forge.models.hf import HFTensorReader, config_from_hf, read_hf_config
-    from t5forge.models.t5 import T5Config
-    from t5forge.parallel.mesh import build_mesh
-    from t5forge.parallel.parallelize import materialize_from_hf, parallelize_t5
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    only its regions), and its tokenizer, for as long as the context lasts: it owns the mesh, and leaving
+    it (normally or not) closes the process group it opened. Every rank runs the same generate."""
+    world = world_size_from_env()
     if tp != world:
         raise ConfigError(f"--tp {tp} needs {tp} processes (torchrun --nproc-per-node {tp}); this job has {world}")
     source = Path(source)
@@ -67,27 +66,73 @@ def load_sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.P
         raise CheckpointError(f"--tp serves an HF model directory (config.json); {source} is not one (export a "
                               "run with `t5forge convert`)")
     config = config_from_hf(read_hf_config(source))
-    if config.num_heads % tp or config.d_ff % tp:
-        raise ConfigError(f"--tp {tp} must divide num_heads ({config.num_heads}) and d_ff ({config.d_ff})")
+    check_tp_divides(config, tp, setting="--tp", overridable=False)  # before any process group exists
     reader = HFTensorReader(source)
     tied = reader.check_against(config)
     config = T5Config(**{**config.to_dict(), "tie_word_embeddings": tied}, extra=config.extra)
-    parallel = ParallelConfig(tp=tp)
-    mesh = build_mesh(parallel)
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(config)
-    parallelize_t5(model, mesh, parallel)
-    materialize_from_hf(model, reader, mesh.device)
     tok = T5Tokenizer(tokenizer or source)
     tok.check_fits(config.vocab_size, TOKENIZER_FIX)
-    dist.barrier()
-    return model.eval(), tok
+    parallel = ParallelConfig(tp=tp)
+    mesh = build_mesh(parallel)
+    try:
+        with torch.device("meta"):
+            model = T5ForConditionalGeneration(config)
+        parallelize_t5(model, mesh, parallel)
+        materialize_from_hf(model, reader, mesh.device)
+        dist.barrier()
+        yield model.eval(), tok
+    finally:
+        mesh.close()
+
+
+def generate_command(source: str | os.PathLike, texts: list[str], *, input_path: str | None = None,
+                     input_field: str = "input", output: str | None = None, tokenizer: str | None = None,
+                     tp: int = 1, batch_size: int = 8, max_input_tokens: int = 512, truncate: bool = False,
+                     seed: int | None = None, progress: bool = False, emit: Callable[[str], None] = print,
+                     **settings) -> None:
+    """`t5forge generate`: `texts`, or the `input_field` of every line of the JSONL file `input_path`, through
+    the model of `source` (sharded over `tp` ranks under torchrun); rank 0 writes one JSONL line per input to
+    `output` (atomically; only with `input_path`) or emits them, then the throughput (to stderr).
+    `settings`: models/generate.py."""
+    if bool(texts) == bool(input_path):
+        raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
+    if output and not input_path:
+        raise ConfigError("--output writes the predictions of --input FILE.jsonl; without it they are printed")
+    texts = read_jsonl_inputs(input_path, input_field) if input_path else texts
+    with contextlib.ExitStack() as stack:
+        if tp > 1:  # every rank runs the same search over its shards, rank 0 writes
+            model, tok = stack.enter_context(sharded_for_generation(source, tokenizer, tp))
+            device = next(model.parameters()).device
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            model, tok = load_for_generation(source, tokenizer, device)
+        if seed is not None:
+            settings["generator"] = torch.Generator(device=device).manual_seed(seed)
+        writer = int(os.environ.get("RANK", "0")) == 0
+        on_batch = None
+        if progress and writer:
+            from rich.progress import Progress
+
+            bar = stack.enter_context(Progress(transient=True))
+            task = bar.add_task("generating", total=len(texts))
+            on_batch = lambda n: bar.advance(task, n)  # noqa: E731
+        predictions, speed = generate_texts(model, tok, texts, batch_size, max_input_tokens, truncate,
+                                            on_batch=on_batch, **settings)
+    if not writer:
+        return
+    if output:
+        write_text_atomic(output, "".join(json.dumps({input_field: text, "prediction": prediction}) + "\n"
+                                          for text, prediction in zip(texts, predictions)))
+        emit(f"wrote {len(predictions)} predictions to {output}")
+    else:
+        for text, prediction in zip(texts, predictions):
+            emit(json.dumps({"input": text, "prediction": prediction}, ensure_ascii=False))
+    print(f"{speed['generated_tokens']} tokens in {speed['seconds']:.2f} s: {speed['tokens_per_s']:.1f} tokens/s",
+          file=sys.stderr)
 
 
 def read_jsonl_inputs(path: str | os.PathLike, field: str) -> list[str]:
     """The `field` of every line of a JSONL file; a bad line is named by file and line number."""
-    from t5forge.data.text_to_text import read_jsonl
-
     texts = []
     for number, record in read_jsonl(path, (field,), "set the field with --input-field"):
         if not isinstance(record[field], str):

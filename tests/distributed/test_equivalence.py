@@ -135,9 +135,9 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     from t5forge.data.corpus import python_docstring_task
 
     (out / "task.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in python_docstring_task()[:200]))
-    finetune = [o.replace("OUT", str(out)) for o in FINETUNE]
-    for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED), ("finetune", 3, finetune),
-                              ("finetune_packed", 3, [*finetune, "data.packing=true"])):
+    task = [o.replace("OUT", str(out)) for o in FINETUNE]
+    for key, steps, extra in ((3, 3, []), (6, 6, []), ("tied", 3, TIED), ("finetune", 3, task),
+                              ("finetune_packed", 3, [*task, "data.packing=true"])):
         overrides = base_overrides(dataset_prefix, tokenizer_dir, str(out / f"single_{key}"))
         run = load_config(None, [*overrides, f"train.max_steps={steps}", *extra])
         trainer = (finetune if run.data.task == "text_to_text" else train)(run, echo=lambda *_: None,

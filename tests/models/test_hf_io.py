@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 import t5forge
 from t5forge.errors import CheckpointError, ConfigError
+from t5forge.models.generate import generate
 from t5forge.models.hf import SAFE_INDEX
 
 TINY = dict(vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_heads=2, num_layers=2)
@@ -86,6 +89,23 @@ def test_sharded_export_round_trips(v11_dir, tmp_path):
     model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
+
+def test_the_model_class_alone_has_its_hf_methods(v11_dir, tmp_path):
+    """generate / save_pretrained / from_pretrained live in generate.py and hf.py, which import t5.py: a fresh
+    interpreter that imports only the model class still finds them on it, and they are those functions."""
+    hf, path = v11_dir
+    code = f"""
+import torch
+from t5forge.models.t5 import T5ForConditionalGeneration as Model
+model = Model.from_pretrained({str(path)!r})
+model.save_pretrained({str(tmp_path)!r})
+print(model.generate(torch.tensor([[5, 6, 7, 1]]), num_beams=2, max_new_tokens=4).tolist())
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    weights_equal(t5forge.from_pretrained(tmp_path), hf)
+    expected = generate(t5forge.from_pretrained(path), torch.tensor([[5, 6, 7, 1]]), num_beams=2, max_new_tokens=4)
+    assert run.stdout.strip() == str(expected.tolist())
 
 def test_dtype_is_kept_or_cast(v11_dir, tmp_path):
     _, path = v11_dir

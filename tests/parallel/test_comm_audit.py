@@ -129,3 +129,26 @@ def test_the_recorder_names_the_group_and_times_the_wait(tmp_path):
         assert record.step_s >= sum(c.exposed_s for c in record.collectives)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_wait_patch_lives_exactly_as_long_as_the_recorder():
+    """The recorder times waits by replacing `Work.wait` for the whole process: every way out restores it,
+    a normal exit, an error in the step and an error while entering (a model without encoder and decoder
+    hooks to install), and the replacement only acts while the recorder is active."""
+    original = dist.Work.wait
+    try:
+        recorder = CollectiveRecorder({}, torch.device("cpu"))
+        with recorder:
+            assert dist.Work.wait is not original
+        assert dist.Work.wait is original
+        with pytest.raises(ValueError), CollectiveRecorder({}, torch.device("cpu")):
+            raise ValueError("the step failed")
+        assert dist.Work.wait is original
+        with pytest.raises(AttributeError), CollectiveRecorder({}, torch.device("cpu"), model=torch.nn.Linear(2, 2)):
+            pass
+        assert dist.Work.wait is original
+        with recorder, pytest.raises(RuntimeError, match="one span at a time"), recorder:
+            pass
+        assert dist.Work.wait is original
+    finally:
+        dist.Work.wait = original  # keep a failure here from spreading to the other tests

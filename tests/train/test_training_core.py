@@ -107,3 +107,28 @@ def test_compiled_blocks_train_like_eager(tmp_path, dataset_prefix, tokenizer_di
     assert any(line.startswith("first step (torch.compile included):") for line in lines)
 
 
+
+
+def test_a_failing_run_tells_every_hook_and_closes_the_metrics_writer(tmp_path, dataset_prefix, tokenizer_dir):
+    from step_hooks import AtStep
+
+    from t5forge.train.hooks import Hook, PlotHook
+
+    class Witness(Hook):
+        seen: list = []
+
+        def on_exception(self, error: BaseException) -> None:
+            self.seen.append(error)
+
+    def crash():
+        raise RuntimeError("the run crashes at step 2")
+
+    witness = Witness()
+    with Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=4"),
+                 echo=lambda *_: None) as trainer:
+        hooks = [*default_hooks(trainer, tensorboard=True), AtStep(2, crash), witness]
+        with pytest.raises(RuntimeError, match="crashes at step 2"):
+            trainer.run_training(hooks)
+    assert [str(e) for e in witness.seen] == ["the run crashes at step 2"] and trainer.state.step == 2
+    plot = next(h for h in hooks if isinstance(h, PlotHook))
+    assert plot.writer.tb.all_writers is None  # TensorBoard's event files were closed

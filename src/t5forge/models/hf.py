@@ -264,7 +264,7 @@ def _summarise(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _load_dtype(key: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+def load_dtype(key: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The requested dtype, except that in fp16 the FFN output projections stay fp32, as transformers
     keeps them (`_keep_in_fp32_modules`): T5 v1.1 activations overflow fp16 there."""
     if dtype is None:
@@ -304,7 +304,7 @@ def build_model(
         raise CheckpointError(f"{source} holds non-floating-point (quantized?) tensors: {_summarise(not_float)}")
     if tied:
         state["lm_head.weight"] = state["shared.weight"]
-    state = {k: v.to(device=device, dtype=_load_dtype(k, v, dtype)) for k, v in state.items()}
+    state = {k: v.to(device=device, dtype=load_dtype(k, v, dtype)) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if tied:  # assign=True made two Parameters over one storage; make them one Parameter again
         model.lm_head.weight = model.shared.weight

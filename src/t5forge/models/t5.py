@@ -500,7 +500,9 @@ class Seq2SeqLMOutput:
 
 
 class T5ForConditionalGeneration(nn.Module):
-    """Encoder-decoder T5 with a language-modelling head, HF's forward signature and outputs."""
+    """Encoder-decoder T5 with a language-modelling head, HF's forward signature and outputs. Its HF-style
+    `generate`, `save_pretrained` and `from_pretrained` live with their code (generate.py, hf.py, which build
+    on this file) and are attached to the class by the package (models/__init__.py)."""
 
     def __init__(self, config: T5Config):
         super().__init__()
@@ -631,24 +633,3 @@ class T5ForConditionalGeneration(nn.Module):
             loss = loss_sum / (labels != -100).sum()
         return Seq2SeqLMOutput(logits=logits, loss=loss, loss_sum=loss_sum,
                                encoder_last_hidden_state=encoder_hidden_states)
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 **settings) -> torch.Tensor:
-        """Greedy / beam / sampled generation with a key-value cache (implemented in t5forge.models.generate;
-        settings as transformers' GenerationConfig: max_new_tokens, num_beams, do_sample, top_k, ...)."""
-        from t5forge.models.generate import generate
-
-        return generate(self, input_ids, attention_mask, **settings)
-
-    # -- HF checkpoints (implemented in t5forge.models.hf) ---------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None,
-                        device: torch.device | str = "cpu") -> "T5ForConditionalGeneration":
-        from t5forge.models.hf import from_pretrained
-
-        return from_pretrained(path, dtype=dtype, device=device)
-
-    def save_pretrained(self, path, max_shard_size: int | str = "5GB") -> None:
-        from t5forge.models.hf import save_pretrained
-
-        save_pretrained(self, path, max_shard_size=max_shard_size)

@@ -20,6 +20,7 @@ all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -203,8 +204,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self.timer = _Timer(device)
         # id(Work or tensor) -> (it, Collective), for the wait that comes later; kept alive meanwhile.
         self._pending: dict[int, tuple] = {}
-        self._handles: list = []
-        self._original_wait = None
+        self._scope: contextlib.ExitStack | None = None  # what __enter__ set up, undone by __exit__
         self._start = 0.0
 
     def _dim(self, group_name: str) -> str:
@@ -253,41 +253,39 @@ class CollectiveRecorder(TorchDispatchMode):
                 self._pending[id(handle)] = (handle, collective)
         return out
 
-    # -- Work.wait: where an asynchronous collective is waited for ---------------------------------------
-    def _install_wait(self) -> None:
+    def __enter__(self):
+        if self._scope is not None:
+            raise RuntimeError("a CollectiveRecorder records one span at a time; make one per step")
         original = dist.Work.wait
-        recorder = self
 
-        def wait(work, *args, **kwargs):
-            entry = recorder._pending.pop(id(work), None)
+        def wait(work, *args, **kwargs):  # a C++ method, unseen by dispatch: where async collectives are waited for
+            entry = self._pending.pop(id(work), None)
             if entry is None:
                 return original(work, *args, **kwargs)
-            started = recorder.timer.start()
+            started = self.timer.start()
             result = original(work, *args, **kwargs)
-            recorder.timer.stop(entry[1], started)
+            self.timer.stop(entry[1], started)
             return result
 
-        self._original_wait = original
-        dist.Work.wait = wait
-
-    def _install_phase_hooks(self) -> None:
-        if self.model is not None:
-            self._handles += install_phase_hooks(self.model, lambda name: setattr(self, "phase", name))
-
-    def __enter__(self):
-        self._install_wait()
-        self._install_phase_hooks()
-        self._start = time.perf_counter()
-        return super().__enter__()
+        # Undone in reverse order on exit, or at once if entering fails part way: the process-wide patch of
+        # Work.wait lives exactly as long as the recorder is active.
+        with contextlib.ExitStack() as scope:
+            dist.Work.wait = wait
+            scope.callback(setattr, dist.Work, "wait", original)
+            if self.model is not None:
+                for handle in install_phase_hooks(self.model, lambda name: setattr(self, "phase", name)):
+                    scope.callback(handle.remove)
+            self._start = time.perf_counter()
+            super().__enter__()
+            scope.push(super().__exit__)
+            self._scope = scope.pop_all()
+        return self
 
     def __exit__(self, *exc):
+        scope, self._scope = self._scope, None
         try:
-            return super().__exit__(*exc)
+            scope.__exit__(*exc)
         finally:
-            dist.Work.wait = self._original_wait
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
             if self.timer.cuda:
                 torch.cuda.synchronize()
             self.record.step_s = time.perf_counter() - self._start
@@ -379,3 +377,24 @@ def format_report(report: dict) -> str:
         lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
                      f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
     return "\n".join(lines)
+
+
+def audit(step, mesh, required: dict[tuple[str, str], dict], context: dict, samples_per_step: int,
+               model: torch.nn.Module | None = None, listeners: list | None = None):
+    """Run `step()` (one training step) with every collective recorded, and compare the records of every rank
+    with what each requires (`required`: {(collective, mesh dim): {count, bytes}}, from comm_model). Every rank
+    takes part (the records are gathered). `model`: its forward phases are told apart (None for a pipeline,
+    whose schedule interleaves them); `listeners`: the step's phase listeners, the recorder joins them for the
+    step. Returns the step's result and the report (see build_report)."""
+    recorder = CollectiveRecorder(mesh_dims(mesh), mesh.device, model)
+    listeners = listeners if listeners is not None else []
+    listeners.append(recorder)
+    try:
+        with recorder:
+            result = step()
+    finally:
+        listeners.remove(recorder)
+    gathered = [None] * dist.get_world_size()  # (measured, required) of every rank
+    dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items())))
+    report = build_report([m for m, _ in gathered], [dict(r) for _, r in gathered], samples_per_step, context)
+    return result, report

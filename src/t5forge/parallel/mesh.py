@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config
+from t5forge.parallel.tensor_parallel import check_tp_divides
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -50,10 +51,7 @@ def check_layout(parallel: ParallelConfig, model: T5Config, inputs_length: int, 
         raise ConfigError("parallel.sequence_parallel splits sequences over tensor-parallel ranks, and "
                           "parallel.tp=1 has none: set parallel.sequence_parallel=false or parallel.tp > 1")
     if tp > 1:
-        for name, value in (("num_heads", model.num_heads), ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):
-            if value % tp:
-                raise ConfigError(f"model {name}={value} is not divisible by parallel.tp={tp}; choose a tp that "
-                                  f"divides it (or set model.overrides.{name})")
+        check_tp_divides(model, tp)
         if parallel.sequence_parallel:
             for name, value in (("data.inputs_length", inputs_length), ("targets length", targets_length)):
                 if value % tp:

@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from t5forge.config import ParallelConfig
 from t5forge.errors import CheckpointError, ConfigError
-from t5forge.models.hf import HFTensorReader, _load_dtype
+from t5forge.models.hf import HFTensorReader, load_dtype
 from t5forge.models.t5 import T5ForConditionalGeneration, named_blocks, stacks
 from t5forge.parallel.activation_checkpoint import apply_ac
 from t5forge.parallel.data_parallel import apply_fsdp, local
@@ -114,7 +114,7 @@ def materialize_from_hf(model: T5ForConditionalGeneration, reader: HFTensorReade
     for name, param in model.named_parameters():  # a tied head is listed once, as shared.weight
         name = unwrap_name(name)
         values = reader.read(name, local_region(param))
-        local(param).copy_(values.to(_load_dtype(name, values, dtype) if dtype is not None else values.dtype))
+        local(param).copy_(values.to(load_dtype(name, values, dtype) if dtype is not None else values.dtype))
     return model
 
 

@@ -39,9 +39,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
+from t5forge.models.flops import block_forward_flops
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks
 from t5forge.parallel.data_parallel import local, shard_gradient_like_parameter
-from t5forge.train.metrics import block_forward_flops
+from t5forge.parallel.parallelize import full_parameters, unwrap_name
 
 
 # -- the split ---------------------------------------------------------------------------------------------
@@ -316,8 +317,6 @@ class TiedParameters:
     on the first of them only."""
 
     def __init__(self, part: T5ForConditionalGeneration, holders: dict[str, tuple[int, ...]], mesh):
-        from t5forge.parallel.parallelize import unwrap_name
-
         pp_rank = mesh.pp_rank
 
         params = {unwrap_name(n): p for n, p in part.named_parameters()}  # names as HF's, without AC wrappers
@@ -449,8 +448,6 @@ class FullParameters:
     alone; every rank must iterate `tensors()` (the gathers are collective)."""
 
     def __init__(self, part: nn.Module, mesh):
-        from t5forge.parallel.parallelize import unwrap_name
-
         self.part, self.mesh = part, mesh
         coords = {name: mesh.mesh.get_local_rank(name) for name in ("pp", "dp", "tp")}
         self.pp_rank, self.gathers = coords["pp"], coords["dp"] == 0  # dp rank 0 of each stage gathers over tp
@@ -471,8 +468,6 @@ class FullParameters:
                 self.sizes.setdefault(name, math.prod(shape) * dtype.itemsize)
 
     def tensors(self):
-        from t5forge.parallel.parallelize import full_parameters
-
         if not self.gathers:
             return
         own = full_parameters(self.part)

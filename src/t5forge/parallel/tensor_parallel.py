@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from t5forge.errors import ConfigError
-from t5forge.models.t5 import T5ForConditionalGeneration, named_blocks, stacks
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks, stacks
 
 
 def block_plan(block, sequence_parallel: bool) -> dict:
@@ -92,16 +92,23 @@ def model_plan(sequence_parallel: bool) -> dict:
     }
 
 
+def check_tp_divides(config: T5Config, tp: int, setting: str = "parallel.tp", overridable: bool = True) -> None:
+    """Raise ConfigError unless `tp` ranks can split `config` as the plans above do: attention heads, FFN
+    width and vocabulary (embedding and head) tp ways each. `setting` names the knob in the message
+    (parallel.tp, --tp); `overridable`: the model comes from a run config, whose model.overrides can fix it."""
+    for name in ("num_heads", "d_ff", "vocab_size"):
+        value = getattr(config, name)
+        if value % tp:
+            raise ConfigError(f"model {name}={value} is not divisible by {setting}={tp}; choose a tp that divides it"
+                              + (f" (or set model.overrides.{name})" if overridable else ""))
+
+
 def apply_tp(model: T5ForConditionalGeneration, tp_mesh: DeviceMesh, sequence_parallel: bool = False):
     """Shard `model` in place over the 1-D `tp_mesh`; returns it."""
     if tp_mesh.ndim != 1:
         raise ConfigError(f"apply_tp needs the 1-D tensor-parallel sub-mesh, got {tp_mesh.ndim} dimensions")
-    tp = tp_mesh.size()
-    config = model.config
-    for name in ("num_heads", "d_ff", "vocab_size"):
-        if getattr(config, name) % tp:
-            raise ConfigError(f"model {name}={getattr(config, name)} is not divisible by parallel.tp={tp}")
-    tied = config.tie_word_embeddings
+    check_tp_divides(model.config, tp_mesh.size())
+    tied = model.config.tie_word_embeddings
     for stack in stacks(model):
         for _, block in named_blocks(stack):
             parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))

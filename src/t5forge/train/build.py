@@ -23,7 +23,7 @@ from t5forge.models.summary import summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_gelu
 from t5forge.parallel.comm_model import Layout, check_covered
 from t5forge.parallel.mesh import Mesh
-from t5forge.parallel.mesh import check_layout as check_parallel_layout  # INTEGRATE: rename in mesh.py
+from t5forge.parallel.mesh import check_layout as check_parallel_layout  # the check of sizes alone
 from t5forge.parallel.parallelize import check_fits, materialize, materialize_from_hf, named_init_plan, parallelize_t5
 from t5forge.parallel.pipeline import check_schedule, prune_to_stages, rank_stages, split_blocks, stage_specs
 from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint

@@ -40,7 +40,7 @@ from t5forge.fileio import write_text_atomic
 from t5forge.models.flops import training_flops_per_sample
 from t5forge.models.loss import linear_cross_entropy_sum, token_loss_sum
 from t5forge.models.summary import human_count, summarize
-from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, mesh_dims, record_to_dict
+from t5forge.parallel.comm_audit import audit, format_report
 from t5forge.parallel.comm_model import Shapes, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
@@ -79,7 +79,6 @@ class Trainer:
         self.options, self.parallel, self.precision = run.train, run.parallel, run.precision.dtype
         self.run_dir = Path(run.train.output_dir)
         self.mesh = build_mesh(run.parallel)
-        self.device = self.mesh.device
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
         try:
             self.checkpoints = ckpt.CheckpointManager(run, echo=self.echo)
@@ -150,6 +149,10 @@ class Trainer:
         self.mesh.close()
 
     # -- what the run is -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
     @property
     def model_config(self):
         return self.model.config  # the checkpoint decides whether the head is tied
@@ -368,27 +371,19 @@ class Trainer:
             listener.phase = name
 
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
-        """`train_step` with every collective recorded; returns its loss and the audit report (every rank
-        takes part: the records are gathered). The table is printed, and written to RUN_DIR/comm_audit.json."""
+        """`train_step` with every collective recorded and compared with what this layout requires of each rank
+        (comm_model); returns its loss and the audit report, printed and written to RUN_DIR/comm_audit.json."""
         plan = self.plan
         shapes = Shapes(micro_batch_size=plan.micro_batch_size, accumulation=plan.accumulation,
                         inputs_length=plan.inputs_length, targets_length=plan.targets_length)
         required = comm_totals(step_requirements(self.model_config, shapes, self.audit_layout, self.mesh.dp_rank,
                                                  self.mesh.pp_rank))
+        context = {**self.layout(), "micro_batch_size": plan.micro_batch_size, "accumulation": plan.accumulation,
+                   "precision": self.precision, "step": self.state.step + 1}
         # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
-        recorder = CollectiveRecorder(mesh_dims(self.mesh), self.device, self.model if self.pipeline is None else None)
-        self.phase_listeners.append(recorder)
-        try:
-            with recorder:
-                loss = self.train_step(micro_batches)
-        finally:
-            self.phase_listeners.remove(recorder)
-        gathered = [None] * dist.get_world_size()  # (measured, required) of every rank
-        dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items())))
-        report = build_report([m for m, _ in gathered], [dict(r) for _, r in gathered], plan.global_batch_size,
-                              {**self.layout(), "micro_batch_size": plan.micro_batch_size,
-                               "accumulation": plan.accumulation, "precision": self.precision,
-                               "step": self.state.step + 1})
+        loss, report = audit(lambda: self.train_step(micro_batches), self.mesh, required, context,
+                             plan.global_batch_size, self.model if self.pipeline is None else None,
+                             self.phase_listeners)
         self.echo(format_report(report))
         if self.mesh.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
