@@ -3,6 +3,8 @@
 # development and CI; pyproject.toml itself asks for torch>=2.8 so GPU users keep their CUDA build.
 # `make test-floor` runs the same suite on that oldest supported torch (.venv-floor; on PyPI it is a
 # CUDA build of ~5 GB installed, which runs on the CPU as well).
+# `make docs` adds the docs extras to the same .venv and builds the documentation site (docs/, mkdocs.yml)
+# into site/ with --strict, so a broken link or a page missing from the nav fails it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,8 +12,9 @@ INSTALLED := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 TORCH_FLOOR := 2.8.0
 FLOOR_VENV := .venv-floor
+DOCS_INSTALLED := $(VENV)/.docs-installed
 
-.PHONY: install test test-floor demo clean
+.PHONY: install test test-floor demo docs clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,5 +38,14 @@ test-floor: $(FLOOR_VENV)/.installed
 demo: $(INSTALLED)
 	$(PY) scripts/demo.py
 
+$(DOCS_INSTALLED): $(INSTALLED) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[docs]'
+	touch $(DOCS_INSTALLED)
+
+# NO_MKDOCS_2_WARNING: mkdocs-material >= 9.7 prints a banner on every build (its end of life in 2027,
+# Zensical as successor); the pinned range builds the site as it is.
+docs: $(DOCS_INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) runs
+	rm -rf $(VENV) $(FLOOR_VENV) runs site

@@ -9,7 +9,7 @@
 #
 # Runs from the source tree (PYTHONPATH=src), so t5forge need not be installed. It needs torch,
 # transformers, safetensors, sentencepiece, tokenizers, numpy, rich, omegaconf (+ antlr4-python3-runtime
-# 4.9.*); where omegaconf is missing, bring the two wheels (see README, "GPU readiness check").
+# 4.9.*); where omegaconf is missing, bring the two wheels (see docs/guides/gpu-check.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

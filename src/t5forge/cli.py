@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "CONFIG is a YAML run config (see configs/); each key=value (dotted, e.g. train.max_steps=100) "
                 "overrides it.",
                 "start N processes on this machine (torchrun --standalone); for several machines run "
-                "`torchrun ... -m t5forge train` on each (see README)")
+                "`torchrun ... -m t5forge train` on each (see docs/guides/distributed.md)")
     finetune_command = run_command("finetune", cmd_train,
                 "fine-tune on a text-to-text task (JSONL input/target lines), scored by generation",
                 "As `train`, with data.task=text_to_text: CONFIG names model.path (an HF directory or a t5forge "

@@ -63,7 +63,7 @@ def test_a_killed_rank_restarts_and_resumes_by_itself(tmp_path, dataset_prefix, 
     config_file = tmp_path / "restart-job.yaml"
     config_file.write_text(to_yaml(config(f"train.output_dir={run_dir}", "parallel.dp=2")))
     # Restarted ranks must not share torchrun's rendezvous store: they would read the previous attempt's
-    # addresses (pytorch/pytorch#135712). The README says so for torchrun; `--nproc-per-node` sets it.
+    # addresses (pytorch/pytorch#135712). docs/guides/reliability.md says so for torchrun; `--nproc-per-node` sets it.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                  "--max-restarts=1", "--monitor-interval=0.2", "-m", "t5forge", "train",
