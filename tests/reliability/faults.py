@@ -14,7 +14,7 @@ import signal
 TARGETS = {
     "step": ("t5forge.train.trainer", "Trainer", "train_step"),
     "checkpoint data": ("torch.distributed.checkpoint", None, "save"),
-    "manifest": ("t5forge.train.checkpoint", None, "write_manifest"),
+    "manifest": ("t5forge.train.checkpoint.manifest", None, "write_manifest"),
     "rename": ("os", None, "replace"),
     "delete": ("shutil", None, "rmtree"),
     "export": ("t5forge.models.hf", None, "save_pretrained_streamed"),

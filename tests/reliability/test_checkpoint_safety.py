@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from step_hooks import AtStep
 from t5forge.cli import main
 from t5forge.errors import CheckpointError, TrainingDiverged
 from t5forge.train import checkpoint as ckpt
+from t5forge.train.checkpoint import store
 from t5forge.train.trainer import Trainer, default_hooks
 
 TINY = dict(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_heads=2, num_layers=1, num_decoder_layers=1)
@@ -105,19 +107,19 @@ def test_replacing_a_checkpoint_keeps_a_complete_copy_at_every_moment(tmp_path, 
 
     monkeypatch.setattr(os, "replace", crash_on_publish)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.publish_checkpoint(staging, old)
+        store.publish(staging, old)
     monkeypatch.undo()
     assert not old.exists() and (tmp_path / ".step_00000004.old").is_dir()  # renamed aside, not deleted
-    ckpt.recover_checkpoints(tmp_path, echo=lambda *_: None)
+    store.recover_checkpoints(tmp_path, echo=lambda *_: None)
     assert (old / ".metadata").read_bytes() == b"old" and not ckpt.checkpoint_problems(old)
     assert not staging.exists() and ckpt.latest_checkpoint(tmp_path) == old
 
-    ckpt.publish_checkpoint(staging, old) if staging.exists() else None
+    store.publish(staging, old) if staging.exists() else None
     second = tmp_path / ".step_00000004.tmp"
     second.mkdir()
     (second / ".metadata").write_bytes(b"new")
     ckpt.write_manifest(second)
-    ckpt.publish_checkpoint(second, old)
+    store.publish(second, old)
     assert (old / ".metadata").read_bytes() == b"new" and not list(tmp_path.glob(".step_*"))
 
 
@@ -125,17 +127,17 @@ def test_pruning_keeps_the_checkpoint_just_written_and_hides_half_deleted_ones(t
     for step in (2, 4, 6, 8):
         fake_checkpoint(tmp_path, step)
     resumed = tmp_path / ckpt.checkpoint_name(4)  # a run resumed from step 4 saves step 4 again
-    ckpt.prune_checkpoints(tmp_path, keep_last=1, keep=resumed)
+    store.prune_checkpoints(tmp_path, keep_last=1, keep=resumed)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
 
     for step in (6, 8):
         fake_checkpoint(tmp_path, step)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # killed while deleting step 4
-        ckpt.prune_checkpoints(tmp_path, keep_last=2, keep=tmp_path / ckpt.checkpoint_name(8))
+        store.prune_checkpoints(tmp_path, keep_last=2, keep=tmp_path / ckpt.checkpoint_name(8))
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000006", "step_00000008"]
-    ckpt.recover_checkpoints(tmp_path, echo=lambda *_: None)
+    store.recover_checkpoints(tmp_path, echo=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000008"]
 
 

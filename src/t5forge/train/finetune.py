@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -26,11 +25,12 @@ import torch.distributed as dist
 from t5forge.config import FinetuneConfig, RunConfig, load_config
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
-from t5forge.fileio import atomic_directory, write_text_atomic
+from t5forge.fileio import write_text_atomic
 from t5forge.inference import generate_from_ids
 from t5forge.models.hf import from_pretrained
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
+from t5forge.train.checkpoint import BestModel
 from t5forge.train.forward import autocast
 from t5forge.train.hooks import Hook, StepInfo, TrainState
 from t5forge.train.metrics import MetricsWriter
@@ -87,14 +87,12 @@ class GenerationEvalHook(Hook):
                  exports: bool, echo):
         self.writer, self.state, self.model, self.tokenizer, self.mesh = writer, state, model, tokenizer, mesh
         self.precision, self.examples, self.eval_period = precision, examples, eval_period
-        self.metric, self.batch_size = settings.best_metric, settings.eval_batch_size
+        self.batch_size = settings.eval_batch_size
         self.generate = {"max_new_tokens": settings.max_new_tokens or targets_length, "num_beams": settings.num_beams}
         self.fsdp, self.pp, self.pipelined, self.run_dir = fsdp, pp, pp > 1, run_dir
         self.export, self.exports, self.echo = export, exports, echo
-        self.best_dir = run_dir / "best"
-        self.best = None  # {"metric", "value", "iteration", "scores"} of RUN_DIR/best
-        if (self.best_dir / "best.json").is_file() and state.step > 0:  # a resumed run keeps its best
-            self.best = json.loads((self.best_dir / "best.json").read_text(encoding="utf-8"))
+        # RUN_DIR/best; a resumed run keeps its best, and refuses a changed finetune.best_metric.
+        self.best = BestModel(run_dir, settings.best_metric, resumed=state.step > 0)
         self.last_step = -1
 
     def before_train(self) -> None:
@@ -122,7 +120,7 @@ class GenerationEvalHook(Hook):
         if self.mesh.is_main:
             scores = score(predictions, [e.target for e in self.examples])
             path = self.write_predictions(predictions)
-            is_best = self.best is None or scores[self.metric] > self.best["value"]
+            is_best = self.best.consider(scores, step)
             how = "greedy" if self.generate["num_beams"] == 1 else f"beam {self.generate['num_beams']}"
             self.writer.write(
                 {"iteration": step, "consumed_samples": self.state.consumed_samples,
@@ -130,8 +128,6 @@ class GenerationEvalHook(Hook):
                  "predictions": str(path)},
                 f"generation eval at iteration {step} ({len(predictions)} examples, {how}): "
                 + " ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f"; predictions {path}")
-            if is_best:
-                self.best = {"metric": self.metric, "value": scores[self.metric], "iteration": step, "scores": scores}
         box = [is_best]
         dist.broadcast_object_list(box, src=0)
         if box[0]:
@@ -190,18 +186,12 @@ class GenerationEvalHook(Hook):
 
     def keep_best(self, final: bool) -> None:
         """RUN_DIR/best: the model of this iteration (a copy of the final export at the end, when there is
-        one; else gathered from the layout, collectively), with best.json."""
+        one; else gathered from the layout, collectively), with best.json, published by rename."""
         export = self.run_dir / "hf"
         if final and self.exports and (self.pipelined or export.is_dir()):
-            if self.mesh.is_main:
-                if self.best_dir.exists():
-                    shutil.rmtree(self.best_dir)
-                with atomic_directory(self.best_dir) as staging:
-                    shutil.copytree(export, staging, dirs_exist_ok=True)
+            self.best.publish_copy(export)  # every rank calls; rank 0 copies
         else:
-            self.export("best")
+            self.export("best", extra_files=self.best.files())  # best.json goes in the same rename
         if self.mesh.is_main:
-            write_text_atomic(self.best_dir / "best.json", json.dumps(self.best, indent=1))
-            self.echo(f"best {self.best['metric']} so far ({self.best['value']:.2f} at iteration "
-                      f"{self.best['iteration']}): {self.best_dir}")
-        dist.barrier()
+            b = self.best.best
+            self.echo(f"best {b['metric']} so far ({b['value']:.2f} at iteration {b['iteration']}): {self.best.dir}")

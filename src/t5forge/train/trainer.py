@@ -81,7 +81,7 @@ class Trainer:
         self.mesh = build_mesh(run.parallel)
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
         try:
-            self.checkpoints = ckpt.CheckpointManager(run, echo=self.echo)
+            self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
             resume_from = self.checkpoints.resume_point()
             self.data = build_data(run, echo=self.echo)
             self.tokenizer_dir, self.num_workers = run.data.tokenizer, run.data.num_workers
@@ -122,7 +122,7 @@ class Trainer:
             names = {id(p): unwrap_name(n) for n, p in self.model.named_parameters()}
             self.divergence = DivergenceGuard(run.train.max_nonfinite_steps, self.device,
                                               [names.get(id(p), "?") for p in self.params],
-                                              lambda: {int(c.name.removeprefix('step_')): c for c in self.checkpoints.dir.glob('step_*')},  # INTEGRATE
+                                              functools.partial(ckpt.saved_checkpoints, self.checkpoints.dir),
                                               self.loss_scaler.enabled)
             self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
             # Told which part of the step runs next (`phase`): a recorder while a step is audited
@@ -132,7 +132,7 @@ class Trainer:
             self.comm_audit: dict | None = None  # the report of the audited step (train.comm_audit)
             self.rng_to_restore: dict | None = None
             if resume_from is not None:
-                self.load_state_dict(ckpt.load_training_checkpoint(resume_from, self.model, self.optimizer, self.layout()))  # INTEGRATE
+                self.load_state_dict(ckpt.load_training_checkpoint(resume_from, self.model, self.optimizer, self.layout()))
                 self.echo(f"resumed from {resume_from} at iteration {self.state.step}, consumed_samples "
                           f"{self.state.consumed_samples}")
         except BaseException:
@@ -238,10 +238,11 @@ class Trainer:
         state = self.state_dict()
         return self.checkpoints.save(state.pop("step"), self.model, self.optimizer, state, last_step=last_step)
 
-    def export_hf(self, name: str = "hf") -> None:
-        """The model as an HF directory RUN_DIR/NAME with the run's tokenizer (collective; when the run
-        exports)."""
-        self.checkpoints.export_hf(self.model, self.model_config, self.tokenizer_dir, self.mesh, name=name)
+    def export_hf(self, name: str = "hf", extra_files: dict[str, str] | None = None) -> None:
+        """The model as an HF directory RUN_DIR/NAME with the run's tokenizer and `extra_files` ({name: text})
+        (collective; when the run exports)."""
+        self.checkpoints.export_hf(self.model, self.model_config, self.tokenizer_dir, self.mesh, name=name,
+                                   extra_files=extra_files)
 
     def validate(self) -> dict:
         """Loss, perplexity and token accuracy of the validation samples (collective)."""
