@@ -4,12 +4,15 @@ with and without transformers as the baseline."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+import sys
 
 import pytest
 
+from t5forge.bench import SUITES
 from t5forge.bench.names import parse_bench_name, run_overrides
-from t5forge.bench.training import run_named_benchmarks
+from t5forge.bench.training import PhaseRanges, run_named_benchmarks
 from t5forge.cli import main
 from t5forge.errors import ConfigError
 
@@ -72,7 +75,7 @@ TINY = "t5v11_nl2_nah4_hs32_ffn64_kv8_vocab2176_seq32_FP32_mb2_gb4_1n1g"
 
 @pytest.fixture
 def work(corpus_file, tokenizer_dir, tmp_path):
-    work = tmp_path / "work"
+    work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")  # 2000 pieces: fits the tiny vocabulary
@@ -115,3 +118,35 @@ def test_tiny_run_against_transformers_uses_the_same_weights_and_batches(work, t
     assert entry["ratio_peak_memory"] == pytest.approx(ours["peak_memory_mib"] / theirs["peak_memory_mib"])
     text = (tmp_path / "out" / "named.md").read_text()
     assert "samples/s t5forge / transformers" in text and TINY in text
+
+
+def test_the_recorded_command_comes_from_the_arguments_not_sys_argv(work, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pytest", "-q", "unrelated"])  # main(argv) called inside another program
+    out = tmp_path / "out"
+    argv = ["bench", TINY, "train.fused_loss=false", "--steps", "1", "--output", str(out), "--work-dir", str(work)]
+    assert main(argv) == 0
+    assert json.loads((out / "named.json").read_text())["command"] == (
+        f"t5forge bench {TINY} train.fused_loss=false --steps 1 --output {shlex.quote(str(out))} "
+        f"--work-dir {shlex.quote(str(work))}")
+
+
+def test_suites_run_from_the_registry_and_its_descriptions_are_the_help(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_suite(output_dir, work_dir):
+        calls.append((output_dir, work_dir))
+        (tmp_path / "data.md").write_text("# data results\n")
+
+    monkeypatch.setitem(SUITES, "data", (fake_suite, "a fake suite"))
+    assert main(["bench", "data", "--output", str(tmp_path), "--work-dir", "w"]) == 0
+    assert calls == [(str(tmp_path), "w")] and "# data results" in capsys.readouterr().out
+    assert main(["bench", "data", "pipeline"]) == 2 and "run one suite" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "100000")  # argparse wraps at the terminal's width (and breaks at hyphens)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{name}: {' '.join(description.split())}" in help_text for name, (_, description) in SUITES.items())
+
+
+def test_profiler_ranges_have_no_phase_before_the_first():
+    assert PhaseRanges(None).phase is None

@@ -145,42 +145,32 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_SUITES = ("data", "distributed", "comm", "pipeline", "generate")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    if not (len(args.names) == 1 and args.names[0] in BENCH_SUITES):
-        from t5forge.bench.training import run_named_benchmarks
+    import shlex
 
-        if any(name in BENCH_SUITES for name in args.names):
-            from t5forge.errors import ConfigError
+    from t5forge.bench import SUITES
+    from t5forge.errors import ConfigError
 
-            raise ConfigError(f"run one suite ({', '.join(BENCH_SUITES)}) at a time, or benchmark names only")
-        command = "t5forge bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else args.names)
-        names = [item for item in args.names if "=" not in item]
-        overrides = [item for item in args.names if "=" in item]
-        run_named_benchmarks(names, args.output_dir, args.work_dir, steps=args.steps, baseline=args.baseline,
-                             command=command, profile=args.profile, overrides=overrides)
-        print((Path(args.output_dir) / "named.md").read_text())
-        print(f"wrote {args.output_dir}/named.json, named.md and named.png")
+    if any(name in SUITES for name in args.names):
+        if len(args.names) > 1:
+            raise ConfigError(f"run one suite ({', '.join(SUITES)}) at a time, or benchmark names only")
+        suite = args.names[0]
+        run, _ = SUITES[suite]
+        run(args.output_dir, args.work_dir)
+        print((Path(args.output_dir) / f"{suite}.md").read_text())
+        print(f"wrote {args.output_dir}/{suite}.json and {suite}.md")
         return 0
-    args.suite = args.names[0]
-    if args.suite == "data":
-        from t5forge.bench.data import run_data_benchmark as run
-    elif args.suite == "comm":
-        from t5forge.bench.comm import run_comm_benchmark as run
-    elif args.suite == "pipeline":
-        from t5forge.bench.pipeline import run_pipeline_benchmark as run
-    elif args.suite == "generate":
-        from t5forge.bench.generate import run_generate_benchmark
+    from t5forge.bench.training import run_named_benchmarks
 
-        def run(output_dir, _work_dir):
-            return run_generate_benchmark(output_dir)
-    else:
-        from t5forge.bench.distributed import run_distributed_benchmark as run
-    run(args.output_dir, args.work_dir)
-    print((Path(args.output_dir) / f"{args.suite}.md").read_text())
-    print(f"wrote {args.output_dir}/{args.suite}.json and {args.suite}.md")
+    # From the parsed arguments, not sys.argv: main(argv) may run inside another program.
+    command = shlex.join(["t5forge", "bench", *args.names, *(["--baseline", args.baseline] if args.baseline else []),
+                          "--steps", str(args.steps), *(["--profile"] if args.profile else []),
+                          "--output", args.output_dir, "--work-dir", args.work_dir])
+    run_named_benchmarks([item for item in args.names if "=" not in item], args.output_dir, args.work_dir,
+                         steps=args.steps, baseline=args.baseline, command=command, profile=args.profile,
+                         overrides=[item for item in args.names if "=" in item])
+    print((Path(args.output_dir) / "named.md").read_text())
+    print(f"wrote {args.output_dir}/named.json, named.md and named.png")
     return 0
 
 
@@ -188,20 +178,9 @@ def _relaunch(nproc_per_node: int, command: list[str], max_restarts: int = 0) ->
     """Convenience for one machine: run `t5forge COMMAND ...` under torchrun with N processes (restarted up to
     `max_restarts` times when a rank dies: they resume from the newest complete checkpoint); returns the
     exit status of the first failing rank (which printed its own error), else 0."""
-    import os
+    from t5forge.lifecycle import launch
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    # Restarted ranks must not share the rendezvous store with the agent: they would read the previous
-    # attempt's addresses and fail to connect (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m",
-                  "t5forge", *command])
-    except ChildFailedError as e:
-        return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
-    return 0
+    return launch(["t5forge", *command], nproc_per_node, max_restarts=max_restarts)[0].returncode
 
 
 def _check_process_count(config: str, overrides: list[str], nproc_per_node: int) -> None:
@@ -457,19 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tensor parallel: shard an HF model over N ranks (torchrun --nproc-per-node N)")
     gen.set_defaults(func=cmd_generate)
 
+    from t5forge.bench import SUITES
+
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",
                        help="benchmark names such as t5v11_nl4_nah4_hs256_ffn1024_FP32_mb4_gb4_seq512_1n1g (grammar: "
                             "src/t5forge/bench/names.py; training throughput, optionally against transformers; "
                             "train.KEY=VALUE arguments set options of the t5forge side, e.g. "
-                            "train.fused_loss=false), or "
-                            "one suite: data: preprocessing, loader, loader vs training step; "
-                            "distributed: per-rank memory of parallel layouts, exposed gradient communication with "
-                            "and without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint; "
-                            "comm: communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes; "
-                            "pipeline: step time and idle share per stage of pp2/pp4 for each schedule and several "
-                            "micro-batch counts, against the theoretical bubble; "
-                            "generate: greedy and beam-4 tokens/s against transformers' generate")
+                            "train.fused_loss=false), or one suite: "
+                            + "; ".join(f"{name}: {description}" for name, (_, description) in SUITES.items()))
     bench.add_argument("--output-dir", "--output", default="benchmarks")
     bench.add_argument("--baseline", choices=["hf"], default=None,
                        help="named benchmarks: also step transformers' T5 on the same weights and batches")
@@ -518,13 +493,7 @@ def configure_process() -> None:
                             r"single process", category=UserWarning)
 
 
-def configure_cpu_training() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        # Denormal floats (|x| < 1.2e-38) appear in gradients and Adam states as training goes on and are
-        # ~100x slower on x86 CPUs: the demo's step time grew from 0.7 s to 1.25 s without this.
-        torch.set_flush_denormal(True)
+from t5forge.lifecycle import configure_cpu_training  # noqa: E402  (moved; cmd_train and cmd_comm_audit call it)
 
 
 # Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,

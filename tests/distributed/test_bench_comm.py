@@ -9,7 +9,7 @@ TINY = ["model.preset=t5-small", "model.dropout_rate=0", "model.overrides.d_mode
 
 
 def test_comm_benchmark_audits_one_and_two_node_layouts(corpus_file, tokenizer_dir, tmp_path):
-    work = tmp_path / "work"
+    work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")

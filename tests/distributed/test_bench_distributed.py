@@ -8,7 +8,7 @@ from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
 
 def test_distributed_benchmark_measures_each_layout_in_its_own_launch(corpus_file, tokenizer_dir, tmp_path):
-    work = tmp_path / "work"
+    work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")

@@ -17,7 +17,7 @@ TP2 = f"{SHAPE}_mp2_mb2_gb2_1n2g"
 
 @pytest.fixture
 def work(corpus_file, tokenizer_dir, tmp_path):
-    work = tmp_path / "work"
+    work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")

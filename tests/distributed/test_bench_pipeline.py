@@ -17,7 +17,7 @@ def test_theoretical_bubble():
 
 
 def test_pipeline_benchmark_measures_every_schedule(corpus_file, tokenizer_dir, tmp_path):
-    work = tmp_path / "work"
+    work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
     shutil.copy(corpus_file, work / "python-docs.txt")
     shutil.copytree(tokenizer_dir, work / "tokenizer")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from t5forge.bench.common import bench_config, machine_info, markdown_table, write_report
+from t5forge.lifecycle import launch
 
 # name: (agents ("nodes"), processes per agent, overrides). ZeRO-2 and full recompute as in the seed's
 # Megatron-style case (mp2, ZeRO-2, activation checkpointing on).
@@ -27,12 +27,6 @@ MODEL = ["model.preset=t5-base", "model.dropout_rate=0"]  # 12 + 12 layers, d_mo
 BATCH = ["data.inputs_length=512", "train.micro_batch_size=4"]  # 512 -> 114 tokens, as the seed's runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _json_in(stdout: str) -> dict:
     """The report in a job's standard output (older torch's gloo prints connection lines there too)."""
     start = ("\n" + stdout).index("\n{")
@@ -40,52 +34,34 @@ def _json_in(stdout: str) -> dict:
 
 
 def _audit(config: Path, agents: int, processes: int, overrides: list[str], work: Path, name: str) -> dict:
-    """One `t5forge comm-audit --json` job of `agents` torchrun agents; returns rank 0's report."""
+    """One `t5forge comm-audit --json` job of `agents` torchrun agents; returns rank 0's report (an audit
+    that finds excess communication exits 1 and still reports)."""
     with tempfile.TemporaryDirectory(dir=work) as scratch:
-        if agents == 1:
-            launch = ["--standalone"]
-        else:
-            port = _free_port()
-            launch = ["--nnodes", str(agents), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                      "--rdzv-id", f"comm-{port}"]
-        command = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={processes}",
-                   "-m", "t5forge", "comm-audit", str(config), *overrides, "--json"]
-        threads = max(1, (os.cpu_count() or 1) // (agents * processes))
-        env = {**os.environ, "TMPDIR": scratch, "OMP_NUM_THREADS": str(threads)}
-        jobs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                for _ in range(agents)]
-        outputs = [job.communicate() for job in jobs]
-    reports = [_json_in(out) for out, _ in outputs if "\n{" in "\n" + out]
+        jobs = launch(["t5forge", "comm-audit", str(config), *overrides, "--json"], processes, nodes=agents,
+                      capture=True, scratch=scratch, share_cores=True)
+    reports = [_json_in(job.stdout) for job in jobs if "\n{" in "\n" + job.stdout]
     if not reports:
-        raise RuntimeError(f"layout {name!r} failed:\n" + "\n".join(err[-3000:] for _, err in outputs))
+        raise RuntimeError(f"layout {name!r} failed:\n" + "\n".join(job.stderr[-3000:] for job in jobs))
     return reports[0]
 
 
 def run_comm_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, layouts: dict = LAYOUTS,
                        model: list[str] = MODEL, batch: list[str] = BATCH) -> dict:
     """Audit every layout; `model` and `batch` are overrides (tests shrink them)."""
-    from t5forge.bench.data import _machine, prepare_training_data
-    from t5forge.fileio import write_text_atomic
     from t5forge.parallel.comm_audit import format_report
 
-    work, prefix, tokenizer = prepare_training_data(work_dir)
-    config = work / "comm-bench.yaml"
-    config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
+    work, config = bench_config(work_dir, "comm-bench")
     results = {}
     for name, (agents, processes, overrides) in layouts.items():
         report = _audit(config, agents, processes, [*model, *batch, *overrides], work, name)
         results[name] = {"agents": agents, "processes_per_agent": processes, "overrides": overrides,
                          "report": report, "table": format_report(report)}
-    result = {"machine": _machine(), "model": model, "batch": batch, "layouts": results}
-    out = Path(output_dir)
-    write_text_atomic(out / "comm.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out / "comm.md", render_markdown(result))
+    result = {"machine": machine_info(), "model": model, "batch": batch, "layouts": results}
+    write_report(output_dir, "comm", result, render_markdown(result))
     return result
 
 
 def render_markdown(r: dict) -> str:
-    from t5forge.bench.distributed import _table as table
-
     m = r["machine"]
     lines = [
         "# Communication audit of the seed's layouts",
@@ -112,11 +88,11 @@ def render_markdown(r: dict) -> str:
                      f"{t['count']}", f"{t['bytes'] / 2**20:.1f}", f"{rep['bytes_per_sample'] / 2**20:.1f}",
                      f"{100 * t['share']:.1f}%", "-" if t["ratio"] is None else f"{t['ratio']:.2f}",
                      "yes" if rep["ok"] else "NO"])
-    lines += table(["layout", "agents x processes", "step s", "collectives per rank", "MiB per rank",
+    lines += markdown_table(["layout", "agents x processes", "step s", "collectives per rank", "MiB per rank",
                     "MiB per sample", "exposed share", "ratio to minimum", "issued = required"], rows)
     for name, e in r["layouts"].items():
         lines += ["", f"## {name}", "", e["table"], "", "Per phase (rank 0):", ""]
-        lines += table(["phase", "collective", "mesh dim", "count", "bytes"],
+        lines += markdown_table(["phase", "collective", "mesh dim", "count", "bytes"],
                        [[p["phase"], p["collective"], p["dim"], str(p["count"]), f"{p['bytes']:,}"]
                         for p in e["report"]["phases"]])
     lines += ["", "Command: `t5forge bench comm` (or one layout: `t5forge comm-audit CONFIG key=value ... "

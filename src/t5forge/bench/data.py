@@ -5,50 +5,12 @@ Writes OUTPUT_DIR/data.json (every number) and OUTPUT_DIR/data.md (the table for
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 
-
-def _machine() -> dict:
-    import torch
-
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
-
-
-def _prepare(work: Path, vocab_size: int) -> tuple[Path, Path]:
-    from t5forge.data.corpus import write_python_docs
-    from t5forge.data.tokenizer import train_tokenizer
-
-    corpus, tokenizer = work / "python-docs.txt", work / "tokenizer"
-    if not corpus.is_file():
-        write_python_docs(corpus)
-    if not tokenizer.is_dir():
-        train_tokenizer([corpus], vocab_size, tokenizer)
-    return corpus, tokenizer
-
-
-def prepare_training_data(work_dir: str | os.PathLike) -> tuple[Path, Path, Path]:
-    """The work directory holding the corpus, an 8000-piece tokenizer and the corpus as an indexed dataset
-    (each made once and reused): (work directory, dataset prefix, tokenizer directory)."""
-    from t5forge.data.preprocess import preprocess
-
-    work = Path(work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    corpus, tokenizer = _prepare(work, 8000)
-    prefix = work / "python-docs-w1"
-    if not prefix.with_suffix(".idx").is_file():
-        preprocess([corpus], tokenizer, prefix)
-    return work, prefix, tokenizer
+from t5forge.bench.common import machine_info, markdown_table, prepare_corpus, write_report
 
 
 def _span_statistics(data, samples: int) -> dict:
@@ -115,11 +77,8 @@ def run_data_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLik
                        train_steps: int = 2, train_preset: str = "t5-base") -> dict:
     from t5forge.data.loader import build_pretraining_data
     from t5forge.data.preprocess import preprocess
-    from t5forge.fileio import write_text_atomic
 
-    work = Path(work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    corpus, tokenizer = _prepare(work, vocab_size)
+    work, corpus, tokenizer = prepare_corpus(work_dir, vocab_size)
     preprocessing = []
     for workers in (1, 2):
         stats = preprocess([corpus], tokenizer, work / f"python-docs-w{workers}", workers=workers)
@@ -135,7 +94,7 @@ def run_data_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLik
     best_loader = max(r["samples_per_s"] for r in loader)
     fastest_training = max(t["samples_per_s"] for t in training)
     result = {
-        "machine": _machine(),
+        "machine": machine_info(),
         "corpus": {"name": "python-docs", "megabytes": corpus.stat().st_size / 1e6, "tokenizer_pieces": vocab_size},
         "preprocessing": preprocessing,
         "span_statistics": _span_statistics(data, 2000),
@@ -146,14 +105,12 @@ def run_data_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLik
         "loader_to_training_ratio": best_loader / fastest_training,
         "data_time_share_of_step": fastest_training / best_loader,
     }
-    out = Path(output_dir)
-    write_text_atomic(out / "data.json", json.dumps(result, indent=2) + "\n")
-    write_text_atomic(out / "data.md", render_markdown(result))
+    write_report(output_dir, "data", result, render_markdown(result))
     return result
 
 
 def render_markdown(r: dict) -> str:
-    m, s = r["machine"], r["span_statistics"]
+    m, s, lo = r["machine"], r["span_statistics"], r["loader"]
     lines = [
         "# Data pipeline benchmark",
         "",
@@ -165,35 +122,27 @@ def render_markdown(r: dict) -> str:
         "",
         "Wall time includes starting the worker processes, which is a large share on a 2 MB corpus.",
         "",
-        "| workers | MB/s | MB/s per worker | tokens/s | documents | tokens |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for p in r["preprocessing"]:
-        lines.append(f"| {p['workers']} | {p['mb_per_s']:.2f} | {p['mb_per_s_per_worker']:.2f} | "
-                     f"{p['tokens_per_s']:,.0f} | {p['documents']} | {p['tokens']} |")
-    lo = r["loader"]
-    lines += [
+        *markdown_table(["workers", "MB/s", "MB/s per worker", "tokens/s", "documents", "tokens"],
+                        [[str(p["workers"]), f"{p['mb_per_s']:.2f}", f"{p['mb_per_s_per_worker']:.2f}",
+                          f"{p['tokens_per_s']:,.0f}", str(p["documents"]), str(p["tokens"])]
+                         for p in r["preprocessing"]]),
         "",
         f"## Loader (t5-base-shaped batches: micro-batch {lo['micro_batch_size']}, "
         f"{lo['inputs_length']} -> {lo['targets_length']} tokens, span corruption included)",
         "",
-        "| DataLoader workers | batches/s | samples/s |",
-        "|---:|---:|---:|",
-    ]
-    for run in lo["runs"]:
-        lines.append(f"| {run['num_workers']} | {run['batches_per_s']:.1f} | {run['samples_per_s']:,.0f} |")
-    lines += [
+        *markdown_table(["DataLoader workers", "batches/s", "samples/s"],
+                        [[str(run["num_workers"]), f"{run['batches_per_s']:.1f}", f"{run['samples_per_s']:,.0f}"]
+                         for run in lo["runs"]]),
         "",
         "## Against a training step (same run, same machine)",
         "",
-        f"fp32 CPU training steps of {r['training_steps'][0]['preset']} (forward + backward + AdamW on 512 -> 114 tokens), measured at "
-        "small micro-batches (a step at 32 would take minutes on a CPU); the comparison uses the faster "
-        "per-sample rate:",
+        f"fp32 CPU training steps of {r['training_steps'][0]['preset']} (forward + backward + AdamW on 512 -> 114 "
+        "tokens), measured at small micro-batches (a step at 32 would take minutes on a CPU); the comparison uses "
+        "the faster per-sample rate:",
         "",
-        "| micro-batch | s/step (median) | samples/s |",
-        "|---:|---:|---:|",
-        *[f"| {t['micro_batch_size']} | {t['seconds_per_step']:.2f} | {t['samples_per_s']:.3f} |"
-          for t in r["training_steps"]],
+        *markdown_table(["micro-batch", "s/step (median)", "samples/s"],
+                        [[str(t["micro_batch_size"]), f"{t['seconds_per_step']:.2f}", f"{t['samples_per_s']:.3f}"]
+                         for t in r["training_steps"]]),
         "",
         f"The loader delivers **{r['loader_to_training_ratio']:,.0f}x** the fastest training rate above "
         f"(target >= 20x): data time is {100 * r['data_time_share_of_step']:.4f}% of step time per sample "

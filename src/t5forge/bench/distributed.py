@@ -19,9 +19,11 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from t5forge.bench.launch import torchrun
+from t5forge.bench.common import bench_config, machine_info, markdown_table, path_override, run_job, write_report
+from t5forge.train.hooks import Hook
 
 LAYOUTS = {  # name: (processes, overrides)
     "single process": (1, []),
@@ -60,7 +62,8 @@ def _local_bytes(tensors) -> int:
 
 
 def worker(config: str, out: str, overrides: list[str]) -> None:
-    """Run under torchrun: train, then write this rank's memory report to OUT/rank{R}.json."""
+    """Run under torchrun: train (the run directory is OUT/run), then write this rank's memory report to
+    OUT/rank{R}.json."""
     import torch
     import torch.distributed as dist
 
@@ -70,8 +73,9 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     from t5forge.train.trainer import Trainer, default_hooks
 
     dist.init_process_group(process_group_backend(torch.cuda.is_available()))
-    trainer = Trainer(load_config(config, overrides), echo=lambda *_: None)
-    timer = StepTimer(trainer)
+    trainer = Trainer(load_config(config, [path_override("train.output_dir", Path(out, "run")), *overrides]),
+                      echo=lambda *_: None)
+    timer = StepTimer(trainer.grad_sync)
     trainer.run_training(default_hooks(trainer, tensorboard=False) + [timer])
     optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
                          if isinstance(v, torch.Tensor) and v.numel() > 1]
@@ -86,14 +90,13 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-class StepTimer:
-    """Wall time of each step and the part of it spent waiting for gradient collectives (log_period=1,
-    so each step ends synchronised). The first step (warm-up) is left out of the summary."""
+class StepTimer(Hook):
+    """Wall time of each step and the part of it spent waiting for the gradient collectives of `grad_sync`
+    (the trainer's GradientBuckets, None without data parallelism; log_period=1, so each step ends
+    synchronised). The first step (warm-up) is left out of the summary."""
 
-    def __init__(self, trainer):
-        import time
-
-        self.trainer, self.clock = trainer, time.perf_counter
+    def __init__(self, grad_sync):
+        self.grad_sync, self.clock = grad_sync, time.perf_counter
         self.steps, self.waits = [], []
 
     def before_train(self) -> None:
@@ -101,17 +104,15 @@ class StepTimer:
 
     def after_step(self, info) -> None:
         now = self.clock()
-        wait = self.trainer.grad_sync.wait_seconds if self.trainer.grad_sync is not None else 0.0
+        wait = self.grad_sync.wait_seconds if self.grad_sync is not None else 0.0
         self.steps.append(now - self.last)
         self.waits.append(wait - self.last_wait)
         self.last, self.last_wait = now, wait
 
-    def after_train(self) -> None: ...
-
     def summary(self) -> dict:
         steps, waits = self.steps[1:] or self.steps, self.waits[1:] or self.waits
         step, wait = sum(steps) / len(steps), sum(waits) / len(waits)
-        elements = self.trainer.grad_sync.communicated_elements() if self.trainer.grad_sync is not None else 0
+        elements = self.grad_sync.communicated_elements() if self.grad_sync is not None else 0
         return {"step_s": step, "grad_wait_s": wait, "grad_wait_share": wait / step if step else 0.0,
                 "grad_reduced_elements": elements}
 
@@ -119,18 +120,16 @@ class StepTimer:
 def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
     """Run under torchrun: build the model of `hf_dir` in the layout of `overrides` (meta device, then each
     rank reads its slices) and report this rank's peak memory and the bytes it holds."""
-    import time
-
     import torch
     import torch.distributed as dist
 
     from t5forge.config import load_config
     from t5forge.parallel.mesh import build_mesh, process_group_backend
     from t5forge.train.metrics import peak_memory_mib
-    from t5forge.train.trainer import build_model, build_model_config
+    from t5forge.train.build import build_model, build_model_config
 
     dist.init_process_group(process_group_backend(torch.cuda.is_available()))
-    run = load_config(None, ["model.path=" + hf_dir, "data.dataset=unused", "data.tokenizer=unused",
+    run = load_config(None, [path_override("model.path", hf_dir), "data.dataset=unused", "data.tokenizer=unused",
                              "train.output_dir=unused", "train.max_steps=1", *overrides])
     before = peak_memory_mib(torch.device("cpu"))
     mesh = build_mesh(run.parallel)
@@ -145,11 +144,10 @@ def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _launch(module_args: list[str], processes: int, work: Path, name: str) -> list[dict]:
-    """One torchrun launch of this module's worker; returns the ranks' reports."""
+def _launch(kind: str, source: Path, overrides: list[str], processes: int, work: Path, name: str) -> list[dict]:
+    """One torchrun launch of this module's `kind` of worker; returns the ranks' reports."""
     with tempfile.TemporaryDirectory(dir=work) as out:
-        args = [module_args[0], module_args[1], out, *(a.replace("OUT", out) for a in module_args[2:])]
-        torchrun("t5forge.bench.distributed", args, processes, Path(out), f"layout {name!r}")
+        run_job(["t5forge.bench.distributed", kind, str(source), out, *overrides], processes, out, f"layout {name!r}")
         return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
 
 
@@ -173,24 +171,17 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
                               overlap_steps: int = 4, load_layouts: dict = LOAD_LAYOUTS,
                               load_checkpoint: str | os.PathLike | None = None) -> dict:
     """All three parts; `load_checkpoint` replaces the generated mT5-XL-shaped checkpoint (tests)."""
-    from t5forge.bench.data import _machine, prepare_training_data
-    from t5forge.fileio import write_text_atomic
-
-    work, prefix, tokenizer = prepare_training_data(work_dir)
-    config = work / "distributed-bench.yaml"
-    config.write_text(
-        "model:\n  preset: t5-small\n  dropout_rate: 0.0\n"
-        f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  inputs_length: 512\n  num_workers: 0\n"
-        f"train:\n  micro_batch_size: 2\n  global_batch_size: 4\n  max_steps: {steps}\n  log_period: 1\n"
-        "  eval_period: 0\n  save_period: 0\n  export_hf: false\n  resume: never\n")
+    work, config = bench_config(work_dir, "distributed-bench", {
+        "model": {"preset": "t5-small", "dropout_rate": 0.0}, "data": {"inputs_length": 512},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": steps, "log_period": 1,
+                  "eval_period": 0, "save_period": 0, "export_hf": False, "resume": "never"}})
     results, overlap, loading = {}, {}, {}
     for name, (processes, overrides) in layouts.items():
-        ranks = _launch(["worker", str(config), "train.output_dir=OUT/run", *overrides], processes, work, name)
+        ranks = _launch("worker", config, overrides, processes, work, name)
         results[name] = {"processes": processes, "overrides": overrides,
                          "largest_rank": max(ranks, key=lambda r: r["peak_mib"]), "ranks": ranks}
     for name, (processes, overrides) in overlap_layouts.items():
-        ranks = _launch(["worker", str(config), "train.output_dir=OUT/run", f"train.max_steps={overlap_steps}",
-                         *overrides], processes, work, name)
+        ranks = _launch("worker", config, [f"train.max_steps={overlap_steps}", *overrides], processes, work, name)
         overlap[name] = {"processes": processes, "overrides": overrides, "ranks": ranks,
                          "step_s": max(r["step_s"] for r in ranks), "grad_wait_s": max(r["grad_wait_s"] for r in ranks),
                          "grad_wait_share": max(r["grad_wait_share"] for r in ranks),
@@ -199,26 +190,18 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
         checkpoint = Path(load_checkpoint) if load_checkpoint else _xl_checkpoint(work)
         files = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         for name, (processes, overrides) in load_layouts.items():
-            ranks = _launch(["load-worker", str(checkpoint), *overrides], processes, work, name)
+            ranks = _launch("load-worker", checkpoint, overrides, processes, work, name)
             loading[name] = {"processes": processes, "overrides": overrides, "ranks": ranks,
                              "largest_rank": max(ranks, key=lambda r: r["peak_mib"])}
         described = (f"mT5-XL width, {XL_SHAPE['num_layers']}+{XL_SHAPE['num_decoder_layers']} layers"
                      if not load_checkpoint else str(checkpoint))
         loading = {"checkpoint": described,
                    "checkpoint_mib": files / 2**20, "layouts": loading}
-    result = {"machine": _machine(), "model": "t5-small (60.5M parameters, fp32, AdamW)",
+    result = {"machine": machine_info(), "model": "t5-small (60.5M parameters, fp32, AdamW)",
               "batch": "global 4 x (512 -> 114 tokens)", "steps": steps, "layouts": results,
               "overlap": {"steps": overlap_steps, "layouts": overlap}, "loading": loading}
-    out_dir = Path(output_dir)
-    write_text_atomic(out_dir / "distributed.json", json.dumps(result, indent=2) + "\n")
-    write_text_atomic(out_dir / "distributed.md", render_markdown(result))
+    write_report(output_dir, "distributed", result, render_markdown(result))
     return result
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table: the first column left-aligned, the others right-aligned."""
-    return ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1),
-            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def render_markdown(r: dict) -> str:
@@ -243,8 +226,8 @@ def render_markdown(r: dict) -> str:
         state = rank["parameters_mib"] + rank["gradients_mib"] + rank["optimizer_mib"]
         rows.append([name, str(entry["processes"]), f"{rank['parameters_mib']:.1f}", f"{rank['gradients_mib']:.1f}",
                      f"{rank['optimizer_mib']:.1f}", f"{state:.1f}", f"{rank['peak_mib']:.0f}"])
-    lines += _table(["layout", "processes", "parameters MiB", "gradients MiB", "optimizer MiB", "model state MiB",
-                     "peak MiB (largest rank)"], rows)
+    lines += markdown_table(["layout", "processes", "parameters MiB", "gradients MiB", "optimizer MiB",
+                             "model state MiB", "peak MiB (largest rank)"], rows)
     lines += ["", "ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters "
               "between uses; tensor parallelism splits all three and the activations of attention and FFN; "
               "sequence parallelism also splits the norm and dropout activations.", ""]
@@ -261,9 +244,10 @@ def render_markdown(r: dict) -> str:
             "runs beside the compute.",
             "",
         ]
-        lines += _table(["layout", "step s", "waiting for gradients s", "share of step", "elements reduced per step"],
-                        [[name, f"{e['step_s']:.3f}", f"{e['grad_wait_s']:.3f}", f"{100 * e['grad_wait_share']:.1f}%",
-                          f"{e['grad_reduced_elements']:,}"] for name, e in overlap.items()])
+        lines += markdown_table(
+            ["layout", "step s", "waiting for gradients s", "share of step", "elements reduced per step"],
+            [[name, f"{e['step_s']:.3f}", f"{e['grad_wait_s']:.3f}", f"{100 * e['grad_wait_share']:.1f}%",
+              f"{e['grad_reduced_elements']:,}"] for name, e in overlap.items()])
         lines.append("")
     loading = r.get("loading") or {}
     if loading:
@@ -276,11 +260,11 @@ def render_markdown(r: dict) -> str:
             "loading (libraries included, ~0.5 GB); *before* is the same process before the model was built.",
             "",
         ]
-        lines += _table(["layout", "processes", "held MiB per rank", "peak MiB before", "peak MiB after (largest rank)",
-                         "seconds"],
-                        [[name, str(e["processes"]), f"{e['largest_rank']['held_mib']:.0f}",
-                          f"{e['largest_rank']['peak_before_mib']:.0f}", f"{e['largest_rank']['peak_mib']:.0f}",
-                          f"{e['largest_rank']['seconds']:.1f}"] for name, e in loading["layouts"].items()])
+        lines += markdown_table(
+            ["layout", "processes", "held MiB per rank", "peak MiB before", "peak MiB after (largest rank)", "seconds"],
+            [[name, str(e["processes"]), f"{e['largest_rank']['held_mib']:.0f}",
+              f"{e['largest_rank']['peak_before_mib']:.0f}", f"{e['largest_rank']['peak_mib']:.0f}",
+              f"{e['largest_rank']['seconds']:.1f}"] for name, e in loading["layouts"].items()])
         lines.append("")
     lines += ["Commands: `t5forge bench distributed` (everything), or per row `torchrun --standalone "
               "--nproc-per-node N -m t5forge.bench.distributed worker CONFIG OUT key=value ...` (training) and "
@@ -289,8 +273,9 @@ def render_markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    from t5forge.cli import configure_cpu_training
+    from t5forge.lifecycle import configure_cpu_training, die_with_parent
 
+    die_with_parent()  # a rank ends with its torchrun agent
     configure_cpu_training()  # an entry point, as `t5forge train`
     if len(sys.argv) >= 4 and sys.argv[1] in ("worker", "load-worker"):
         (worker if sys.argv[1] == "worker" else load_worker)(sys.argv[2], sys.argv[3], sys.argv[4:])

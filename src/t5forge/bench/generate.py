@@ -9,13 +9,13 @@ to and including eos). Writes OUTPUT_DIR/generate.{json,md}."""
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+
+from t5forge.bench.common import machine_info, markdown_table, write_report
 
 SHAPE = dict(vocab_size=32128, d_model=256, d_kv=64, d_ff=1024, num_layers=4, num_heads=4,
              feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
@@ -34,8 +34,6 @@ def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS
                            new_tokens: int = NEW_TOKENS) -> dict:
     import transformers
 
-    from t5forge.bench.data import _machine
-    from t5forge.fileio import write_text_atomic
     from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -69,18 +67,14 @@ def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS
         cases.append({"search": search, "settings": kwargs, "generated_tokens": tokens,
                       "identical_tokens": bool(torch.equal(outputs["t5forge"], outputs["hf"])), **result,
                       "ratio_tokens_per_s": result["t5forge"]["tokens_per_s"] / result["hf"]["tokens_per_s"]})
-    report = {"machine": _machine(), "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+    report = {"machine": machine_info(), "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
               "command": "t5forge bench generate", "shape": shape, "rows": ROWS, "source_tokens": SOURCE,
               "repeats": repeats, "cases": cases}
-    out = Path(output_dir)
-    write_text_atomic(out / "generate.json", json.dumps(report, indent=1) + "\n")
-    write_text_atomic(out / "generate.md", render_markdown(report))
+    write_report(output_dir, "generate", report, render_markdown(report))
     return report
 
 
 def render_markdown(r: dict) -> str:
-    from t5forge.bench.distributed import _table as table
-
     m, s = r["machine"], r["shape"]
     lines = ["# Generation benchmark", "",
              f"`{r['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers "
@@ -89,9 +83,9 @@ def render_markdown(r: dict) -> str:
              f"{r['source_tokens']} tokens (half of them padded to {r['source_tokens'] // 2}), the best of "
              f"{r['repeats']} runs after a warm-up, alternating with transformers' `generate` on the same weights.",
              ""]
-    lines += table(["search", "generated tokens", "t5forge tokens/s", "transformers tokens/s",
-                    "t5forge / transformers", "same tokens"],
-                   [[c["search"], str(c["generated_tokens"]), f"{c['t5forge']['tokens_per_s']:.0f}",
-                     f"{c['hf']['tokens_per_s']:.0f}", f"{c['ratio_tokens_per_s']:.2f}x",
-                     "yes" if c["identical_tokens"] else "NO"] for c in r["cases"]])
+    lines += markdown_table(["search", "generated tokens", "t5forge tokens/s", "transformers tokens/s",
+                             "t5forge / transformers", "same tokens"],
+                            [[c["search"], str(c["generated_tokens"]), f"{c['t5forge']['tokens_per_s']:.0f}",
+                              f"{c['hf']['tokens_per_s']:.0f}", f"{c['ratio_tokens_per_s']:.2f}x",
+                              "yes" if c["identical_tokens"] else "NO"] for c in r["cases"]])
     return "\n".join(lines + [""])

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from t5forge.bench.launch import torchrun
+from t5forge.bench.common import bench_config, machine_info, markdown_table, run_job, write_report
 from t5forge.config import PP_SCHEDULES
 
 # 4 + 4 equal blocks (pp4: one block per stage; interleaved pp2 x 2 and pp4 x 2 keep whole blocks), the head
@@ -95,36 +95,27 @@ def run_pipeline_benchmark(output_dir: str | os.PathLike, work_dir: str | os.Pat
                            model: list[str] = MODEL, micro_batches: dict = MICRO_BATCHES,
                            schedules: tuple = PP_SCHEDULES) -> dict:
     """Every (pp, schedule, m) of `micro_batches` x `schedules`; `model` are overrides (tests shrink them)."""
-    from t5forge.bench.data import _machine, prepare_training_data
-    from t5forge.fileio import write_text_atomic
-
-    work, prefix, tokenizer = prepare_training_data(work_dir)
-    config = work / "pipeline-bench.yaml"
-    config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n"
-                      f"train:\n  output_dir: {work / 'pipeline-run'}\n  max_steps: 1000\n")
+    work, config = bench_config(work_dir, "pipeline-bench",
+                                {"train": {"output_dir": str(Path(work_dir, "pipeline-run")), "max_steps": 1000}})
     cases = []
     for pp, counts in micro_batches.items():
         launch = [{"pp": pp, "schedule": s, "microbatches": m, "overrides": [*model, *_case_overrides(pp, s, m)]}
                   for s in schedules for m in counts]
         with tempfile.TemporaryDirectory(dir=work) as scratch:
             out = Path(scratch) / "cases.json"
-            torchrun("t5forge.bench.pipeline", [str(config), str(out), json.dumps(launch)], pp, Path(scratch),
-                     f"pipeline benchmark at pp={pp}")
+            run_job(["t5forge.bench.pipeline", str(config), str(out), json.dumps(launch)], pp, scratch,
+                    f"pipeline benchmark at pp={pp}")
             cases += json.loads(out.read_text())
     for case in cases:
         v = 2 if case["schedule"] == "interleaved_1f1b" else 1
         case["theoretical_bubble"] = theoretical_bubble(case["pp"], case["microbatches"], v)
-    result = {"machine": _machine(), "model": model, "cases": cases,
+    result = {"machine": machine_info(), "model": model, "cases": cases,
               "command": "t5forge bench pipeline", "warmup_steps": WARMUP, "timed_steps": STEPS}
-    out_dir = Path(output_dir)
-    write_text_atomic(out_dir / "pipeline.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out_dir / "pipeline.md", render_markdown(result))
+    write_report(output_dir, "pipeline", result, render_markdown(result))
     return result
 
 
 def render_markdown(r: dict) -> str:
-    from t5forge.bench.distributed import _table as table
-
     m = r["machine"]
     lines = [
         "# Pipeline bubble",
@@ -146,11 +137,14 @@ def render_markdown(r: dict) -> str:
         rows.append([f"pp{c['pp']}", c["schedule"], str(c["microbatches"]), str(c["layers"]),
                      f"{c['step_s'] * 1e3:.0f}", idle, f"{100 * sum(c['idle_share']) / len(c['idle_share']):.0f}%",
                      f"{100 * c['theoretical_bubble']:.0f}%"])
-    lines += table(["pp", "schedule", "m", "blocks per stage", "step ms", "idle share per stage",
-                    "mean idle", "theory"], rows)
+    lines += markdown_table(["pp", "schedule", "m", "blocks per stage", "step ms", "idle share per stage",
+                             "mean idle", "theory"], rows)
     lines += ["", f"Command: `{r['command']}` (writes benchmarks/pipeline.json and this file).", ""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+    from t5forge.lifecycle import die_with_parent
+
+    die_with_parent()  # a rank ends with its torchrun agent
     worker(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

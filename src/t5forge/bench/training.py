@@ -27,7 +27,6 @@ import contextlib
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from t5forge.bench.launch import torchrun
+from t5forge.bench.common import bench_config, machine_info, markdown_table, path_override, run_job, write_report
 from t5forge.bench.names import BenchName, parse_bench_name, run_overrides
 from t5forge.errors import ConfigError
 
@@ -106,7 +105,7 @@ class HFStep:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
 
     def __call__(self, micro_batches: list[dict]) -> torch.Tensor:
-        from t5forge.train.trainer import autocast
+        from t5forge.train.forward import autocast
 
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
@@ -146,19 +145,13 @@ def _run_config(bench: BenchName, config: Path, output: Path, overrides: list[st
 
     # The architecture comes from the name (every field overridden); the preset only supplies the rest
     # (relative attention buckets, norm epsilon, special token ids), which all presets share.
-    return load_config(config, [*run_overrides(bench), f"train.output_dir={output}", "train.max_steps=1000",
-                                "model.preset=t5-small", *overrides])
+    return load_config(config, [*run_overrides(bench), path_override("train.output_dir", output),
+                                "train.max_steps=1000", "model.preset=t5-small", *overrides])
 
 
 def _token_ids_below(trainer) -> int:
     """Synthetic token ids stay below both the model's and the tokenizer's vocabulary."""
     return min(trainer.model_config.vocab_size, trainer.data.tokenizer.vocab_size)
-
-
-def _build_trainer(bench: BenchName, config: Path, output: Path, overrides: list[str] = ()):
-    from t5forge.train.trainer import Trainer
-
-    return Trainer(_run_config(bench, config, output, overrides), echo=lambda *_: None)
 
 
 def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: str | None,
@@ -167,16 +160,19 @@ def measure(bench: BenchName, config: Path, work: Path, steps: int, baseline: st
     layout; every rank returns the same times (the slowest rank's), losses and per-rank GPU peaks."""
     import torch.distributed as dist
 
-    from t5forge.train.metrics import peak_flops, training_flops_per_sample
+    from t5forge.models.flops import training_flops_per_sample
+    from t5forge.train.metrics import peak_flops
+    from t5forge.train.trainer import Trainer
 
-    trainer = _build_trainer(bench, config, work / f"run-{bench.name}", overrides)
+    run = _run_config(bench, config, work / f"run-{bench.name}", overrides)
+    trainer = Trainer(run, echo=lambda *_: None)
     device, accumulation, dp_rank = trainer.device, trainer.accumulation, trainer.mesh.dp_rank
     world, rank = dist.get_world_size(), dist.get_rank()  # the trainer's group: private when alone
     vocab = _token_ids_below(trainer)
     batches = synthetic_batches(bench, vocab, WARMUP + steps, accumulation, seed=dp_rank)
     sides = {"t5forge": trainer.train_step}
     if baseline == "hf" and has_hf_counterpart(bench):
-        sides["hf"] = HFStep(hf_model_like(trainer.model, device), trainer.run, device, data_parallel=world > 1)
+        sides["hf"] = HFStep(hf_model_like(trainer.model, device), run, device, data_parallel=world > 1)
     times = {name: [] for name in sides}
     losses = {name: [] for name in sides}
     peaks = {name: 0.0 for name in sides}
@@ -260,9 +256,9 @@ def _measure_in_processes(bench: BenchName, config: Path, work: Path, steps: int
         return measure(bench, config, work, steps, baseline, trace, overrides)
     with tempfile.TemporaryDirectory(dir=work) as scratch:
         out = Path(scratch) / "entry.json"
-        args = ["worker", bench.name, str(config), str(work), str(out), str(steps), baseline or "-",
-                str(trace.resolve()) if trace else "-", *overrides]
-        torchrun("t5forge.bench.training", args, bench.processes, Path(scratch), f"benchmark {bench.name}")
+        run_job(["t5forge.bench.training", "worker", bench.name, str(config), str(work), str(out), str(steps),
+                 baseline or "-", str(trace.resolve()) if trace else "-", *overrides], bench.processes, scratch,
+                f"benchmark {bench.name}")
         entry = json.loads(out.read_text())
     if "config_error" in entry:
         raise ConfigError(entry["config_error"])
@@ -276,7 +272,7 @@ class PhaseRanges:
     def __init__(self, model: torch.nn.Module | None):
         from t5forge.parallel.comm_audit import install_phase_hooks
 
-        self._range = None
+        self._name, self._range = None, None
         self._handles = install_phase_hooks(model, self._switch) if model is not None else []
 
     @property
@@ -355,12 +351,15 @@ def memory_child(name: str, side: str, config: str, work: str, out: str, *overri
     bench = parse_bench_name(name)
     before = _memory_mib("VmRSS")
     if side == "t5forge":
-        trainer = _build_trainer(bench, Path(config), Path(work) / f"memory-{bench.name}", list(overrides))
+        from t5forge.train.trainer import Trainer
+
+        trainer = Trainer(_run_config(bench, Path(config), Path(work) / f"memory-{bench.name}", list(overrides)),
+                          echo=lambda *_: None)
         step, vocab, accumulation = trainer.train_step, _token_ids_below(trainer), trainer.accumulation
     else:  # transformers' model of the same shape (random weights: memory does not depend on them)
         from t5forge.config import batch_arithmetic
         from t5forge.models.t5 import T5ForConditionalGeneration
-        from t5forge.train.trainer import build_model_config
+        from t5forge.train.build import build_model_config
 
         run = _run_config(bench, Path(config), Path(work))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -397,24 +396,14 @@ def _cpu_peaks(bench: BenchName, side: str, config: Path, work: Path, overrides:
     """Each rank's peak resident memory (MiB) of `side` alone, in fresh processes (see memory_child)."""
     with tempfile.TemporaryDirectory(dir=work) as scratch:
         out = Path(scratch) / "memory.json"
-        args = ["memory", bench.name, side, str(config), str(work), str(out), *overrides]
-        what = f"memory measurement of {side} for {bench.name}"
-        if bench.processes > 1:
-            torchrun("t5forge.bench.training", args, bench.processes, Path(scratch), what)
-        else:
-            job = subprocess.run([sys.executable, "-m", "t5forge.bench.training", *args], capture_output=True,
-                                 text=True)
-            if job.returncode != 0:
-                raise RuntimeError(f"{what} failed:\n{job.stderr[-3000:]}")
+        run_job(["t5forge.bench.training", "memory", bench.name, side, str(config), str(work), str(out), *overrides],
+                bench.processes, scratch, f"memory measurement of {side} for {bench.name}")
         return [json.loads(Path(f"{out}.rank{r}").read_text())["peak_memory_mib"] for r in range(bench.processes)]
 
 
 def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_dir: str | os.PathLike,
                          steps: int = 5, baseline: str | None = None, command: str = "",
                          profile: bool = False, overrides: list[str] = ()) -> dict:
-    from t5forge.bench.data import _machine, prepare_training_data
-    from t5forge.fileio import write_text_atomic
-
     benches = [parse_bench_name(n) for n in names]  # every name checked before anything runs
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
@@ -427,9 +416,7 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
                               "here: use a name that fits this machine")
     if baseline is not None:
         check_baseline_available()
-    work, prefix, tokenizer = prepare_training_data(work_dir)
-    config = work / "named-bench.yaml"
-    config.write_text(f"data:\n  dataset: {prefix}\n  tokenizer: {tokenizer}\n  num_workers: 0\n")
+    work, config = bench_config(work_dir, "named-bench")
     entries = {}
     for bench in benches:
         trace = Path(output_dir) / f"{bench.name}.trace.json" if profile else None
@@ -450,19 +437,15 @@ def run_named_benchmarks(names: list[str], output_dir: str | os.PathLike, work_d
         hf_version = version("transformers")
     except PackageNotFoundError:  # only --baseline hf needs it
         hf_version = None
-    result = {"machine": _machine(), "transformers": hf_version,
+    result = {"machine": machine_info(), "transformers": hf_version,
               "date": time.strftime("%Y-%m-%d"), "command": command, "steps": steps, "warmup_steps": WARMUP,
               "baseline": baseline, "overrides": list(overrides), "benchmarks": entries}
-    out = Path(output_dir)
-    write_text_atomic(out / "named.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out / "named.md", render_markdown(result))
-    _plot(result, out / "named.png")
+    write_report(output_dir, "named", result, render_markdown(result))
+    _plot(result, Path(output_dir) / "named.png")
     return result
 
 
 def render_markdown(r: dict) -> str:
-    from t5forge.bench.distributed import _table as table
-
     m = r["machine"]
     lines = ["# Named training benchmarks", "",
              f"`{r['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers "
@@ -477,22 +460,22 @@ def render_markdown(r: dict) -> str:
             rows.append([name, side, str(e.get("processes", 1)), f"{x['step_s'] * 1e3:.0f}",
                          f"{x['samples_per_s']:.2f}", f"{x['tokens_per_s']:.0f}", f"{x['tflops']:.3f}",
                          f"{100 * x['mfu']:.1f}%", " / ".join(f"{v:.0f}" for v in per_rank), f"{x['losses'][-1]:.3f}"])
-    lines += table(["name", "implementation", "processes", "step ms", "samples/s", "tokens/s", "TFLOP/s", "MFU",
-                    "peak memory MiB per rank", "last loss"], rows)
+    lines += markdown_table(["name", "implementation", "processes", "step ms", "samples/s", "tokens/s", "TFLOP/s",
+                             "MFU", "peak memory MiB per rank", "last loss"], rows)
     compared = {n: e for n, e in r["benchmarks"].items() if "ratio_samples_per_s" in e}
     if compared:
-        lines += ["", *table(["name", "samples/s t5forge / transformers", "peak memory t5forge / transformers"],
-                             [[n, f"{e['ratio_samples_per_s']:.2f}x", f"{e['ratio_peak_memory']:.2f}x"]
-                              for n, e in compared.items()])]
+        lines += ["", *markdown_table(
+            ["name", "samples/s t5forge / transformers", "peak memory t5forge / transformers"],
+            [[n, f"{e['ratio_samples_per_s']:.2f}x", f"{e['ratio_peak_memory']:.2f}x"] for n, e in compared.items()])]
     lines += [f"\n{name}: {e['baseline_note']}." for name, e in r["benchmarks"].items() if "baseline_note" in e]
     for name, e in r["benchmarks"].items():
         if "profile" in e:
             prof = e["profile"]
             lines += ["", f"Profile of one t5forge step of {name} ({prof['step_s'] * 1e3:.0f} ms; trace: "
                       f"`{Path(prof['trace']).name}`, open in Perfetto or chrome://tracing):", ""]
-            lines += table(["part of the step", "share"],
-                           [[k, f"{100 * v:.1f}%"] for k, v in prof["phases"].items()]
-                           + [[f"collective: {k}", f"{100 * v:.1f}%"] for k, v in prof["collectives"].items()])
+            lines += markdown_table(["part of the step", "share"],
+                                    [[k, f"{100 * v:.1f}%"] for k, v in prof["phases"].items()]
+                                    + [[f"collective: {k}", f"{100 * v:.1f}%"] for k, v in prof["collectives"].items()])
     lines += ["", "MFU against " + ", ".join(sorted({e["peak_source"] for e in r["benchmarks"].values()})) + ".",
               "CPU peak memory: each implementation alone in child processes, each rank's peak resident memory "
               "above the process's before the model was built; ratios compare the largest rank's. Several "
@@ -526,5 +509,8 @@ def _plot(r: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
+    from t5forge.lifecycle import die_with_parent
+
+    die_with_parent()  # a rank ends with its torchrun agent
     with contextlib.suppress(BrokenPipeError):
         {"memory": memory_child, "worker": worker}[sys.argv[1]](*sys.argv[2:])
