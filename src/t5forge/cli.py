@@ -205,14 +205,13 @@ def _under_launcher() -> bool:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`train` and `finetune` (the same loop; finetune sets data.task=text_to_text)."""
-    import os
-
     command = args.command
     if args.nproc_per_node and not _under_launcher():
         task = ["data.task=text_to_text"] if command == "finetune" else []
         _check_process_count(args.config, [*task, *args.overrides], args.nproc_per_node)
         return _relaunch(args.nproc_per_node, [command, args.config, *args.overrides], args.max_restarts)
     from t5forge.config import load_config
+    from t5forge.lifecycle import configure_cpu_training, is_main_process
     from t5forge.train.finetune import finetune, load_finetune_config
     from t5forge.train.trainer import train
 
@@ -226,7 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import gc
 
     gc.collect()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main_process():
         print(f"run directory: {run_dir}")
     return 0
 
@@ -235,18 +234,16 @@ EXIT_EXCESS_COMMUNICATION = 1
 
 
 def cmd_comm_audit(args: argparse.Namespace) -> int:
-    import os
-
     if args.nproc_per_node and not _under_launcher():
         _check_process_count(args.config, args.overrides, args.nproc_per_node)
         return _relaunch(args.nproc_per_node, ["comm-audit", args.config, *args.overrides,
                                                *(["--json"] if args.json else [])])
+    from t5forge.lifecycle import configure_cpu_training, is_main_process
     from t5forge.train.trainer import run_comm_audit
 
     configure_cpu_training()
     report = run_comm_audit(args.config, args.overrides, echo=(lambda *_: None) if args.json else print)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
-    if args.json and main_rank:
+    if args.json and is_main_process():
         print(json.dumps(report, indent=1))
     return 0 if report["ok"] else EXIT_EXCESS_COMMUNICATION
 
@@ -456,46 +453,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_torch_floor() -> None:
-    """Refuse a torch older than the floor that the package declares (pyproject.toml, the one place it is
-    written): the suite is run on that version and nothing older."""
-    from importlib import metadata
-
-    import torch
-    from torch.torch_version import TorchVersion
-
-    from t5forge.errors import ConfigError
-
-    try:
-        requirements = metadata.requires("t5forge") or []
-    except metadata.PackageNotFoundError:  # run from a source tree (scripts/gpu_check.sh): nothing declared
-        return
-    floor = next((r.split(">=", 1)[1].split(",")[0].strip() for r in requirements
-                  if r.replace(" ", "").startswith("torch>=")), None)
-    if floor is not None and TorchVersion(torch.__version__) < floor:
-        raise ConfigError(f"torch {torch.__version__} is older than {floor}, the oldest version t5forge is tested on; "
-                          f"install torch>={floor} (pip install 'torch>={floor}')")
-
-
-def configure_process() -> None:
-    """Process-wide settings, made here once (library code never changes them)."""
-    import os
-    import warnings
-
-    # Our preprocessing workers are the parallelism; tokenizers' own thread pool would fight them.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from t5forge.lifecycle import die_with_parent, launched_by_torchrun
-
-    if launched_by_torchrun():  # a rank ends with its launcher, even one killed by SIGKILL
-        die_with_parent()
-    # convert and eval read and write model checkpoints in one process, without a process group, on purpose.
-    warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load) in a "
-                            r"single process", category=UserWarning)
-
-
-from t5forge.lifecycle import configure_cpu_training  # noqa: E402  (moved; cmd_train and cmd_comm_audit call it)
-
-
 # Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,
 # `bench NAME --baseline hf train.compile=true`): argparse stops a positional list at the first option.
 _TRAILING_POSITIONALS = {"generate": "texts", "bench": "names", "train": "overrides", "finetune": "overrides",
@@ -516,9 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from t5forge.errors import T5ForgeError
+    from t5forge.lifecycle import check_torch_floor, configure_process
 
     configure_process()
-
     try:
         check_torch_floor()
         return args.func(args)

@@ -24,6 +24,7 @@ from t5forge.data.text_to_text import read_jsonl
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
+from t5forge.lifecycle import is_main_process
 from t5forge.models.hf import HFTensorReader, config_from_hf, from_pretrained, read_hf_config
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
@@ -108,7 +109,7 @@ def generate_command(source: str | os.PathLike, texts: list[str], *, input_path:
             model, tok = load_for_generation(source, tokenizer, device)
         if seed is not None:
             settings["generator"] = torch.Generator(device=device).manual_seed(seed)
-        writer = int(os.environ.get("RANK", "0")) == 0
+        writer = is_main_process()
         on_batch = None
         if progress and writer:
             from rich.progress import Progress

@@ -37,6 +37,51 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def is_main_process() -> bool:
+    """Rank 0 of the job: of the process group once there is one, else of the launcher's environment (a
+    process started alone is rank 0)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def configure_process() -> None:
+    """Process-wide settings of a t5forge command, made once by the entry point (library code never changes
+    them)."""
+    import warnings
+
+    # Our preprocessing workers are the parallelism; tokenizers' own thread pool would fight them.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if launched_by_torchrun():  # a rank ends with its launcher, even one killed by SIGKILL
+        die_with_parent()
+    # convert and eval read and write model checkpoints in one process, without a process group, on purpose.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load) in a "
+                            r"single process", category=UserWarning)
+
+
+def check_torch_floor() -> None:
+    """Refuse a torch older than the floor that the package declares (pyproject.toml, the one place it is
+    written): the suite is run on that version and nothing older."""
+    from importlib import metadata
+
+    import torch
+    from torch.torch_version import TorchVersion
+
+    from t5forge.errors import ConfigError
+
+    try:
+        requirements = metadata.requires("t5forge") or []
+    except metadata.PackageNotFoundError:  # run from a source tree (scripts/gpu_check.sh): nothing declared
+        return
+    floor = next((r.split(">=", 1)[1].split(",")[0].strip() for r in requirements
+                  if r.replace(" ", "").startswith("torch>=")), None)
+    if floor is not None and TorchVersion(torch.__version__) < floor:
+        raise ConfigError(f"torch {torch.__version__} is older than {floor}, the oldest version t5forge is tested on; "
+                          f"install torch>={floor} (pip install 'torch>={floor}')")
+
+
 def configure_cpu_training() -> None:
     """Process-wide settings of a training process without a GPU (entry points call it, library code never)."""
     import torch

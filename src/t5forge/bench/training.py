@@ -37,6 +37,7 @@ import torch
 from t5forge.bench.common import bench_config, machine_info, markdown_table, path_override, run_job, write_report
 from t5forge.bench.names import BenchName, parse_bench_name, run_overrides
 from t5forge.errors import ConfigError
+from t5forge.lifecycle import is_main_process
 
 WARMUP = 2
 
@@ -242,7 +243,7 @@ def worker(name: str, config: str, work: str, out: str, steps: str, baseline: st
                         None if baseline == "-" else baseline, None if trace == "-" else Path(trace), list(overrides))
     except ConfigError as e:  # bad input: the launching process reports it (exit code 2), not a traceback
         entry = {"config_error": str(e)}
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main_process():
         Path(out).write_text(json.dumps(entry))
     gc.collect()  # a DistributedDataParallel baseline in a reference cycle dies now, not after the group (see below)
     if dist.is_initialized():

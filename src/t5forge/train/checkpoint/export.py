@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 from t5forge.errors import CheckpointError, ConfigError
+from t5forge.lifecycle import is_main_process
 from t5forge.models import hf as hf_io
 from t5forge.parallel.parallelize import full_parameters, unwrap_name
 from t5forge.parallel.pipeline import FullParameters
-from t5forge.train.checkpoint.store import is_main, on_rank_zero, recover_published, staged
+from t5forge.train.checkpoint.store import on_rank_zero, recover_published, staged
 
 TOKENIZER_FILES = ("spiece.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BEST_JSON = "best.json"
@@ -48,7 +49,7 @@ def export_hf_model(model, config, target: str | os.PathLike, *, tokenizer_dir: 
                 pass
             raise
 
-    if not is_main():
+    if not is_main_process():
         for _ in tensors:  # take part in every gather
             pass
     on_rank_zero(write)

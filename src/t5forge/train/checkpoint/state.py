@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from t5forge.errors import CheckpointError
 from t5forge.fileio import atomic_directory, make_public, write_text_atomic
+from t5forge.lifecycle import is_main_process
 from t5forge.models.hf import build_model, config_from_hf, config_to_hf, hf_state_dict, read_hf_config
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.train.checkpoint import manifest  # write_manifest looked up when called: faults.py wraps it
@@ -25,7 +26,6 @@ from t5forge.train.checkpoint.safe_reader import check_checkpoint_files, dcp_loa
 from t5forge.train.checkpoint.store import (
     LATEST,
     checkpoint_name,
-    is_main,
     on_rank_zero,
     prune_checkpoints,
     publish,
@@ -112,13 +112,13 @@ def save_training_checkpoint(
     try:
         dcp.save(tensors, storage_writer=writer)  # DCP raises on every rank when any rank fails
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if is_main():
+        if is_main_process():
             shutil.rmtree(staging, ignore_errors=True)
         raise_if_disk_full(e, final, state_bytes(tensors))
         raise
     hashed = [writer.files]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        hashed = [None] * dist.get_world_size() if is_main() else None
+        hashed = [None] * dist.get_world_size() if is_main_process() else None
         dist.gather_object(writer.files, hashed, dst=0)
 
     def finish() -> None:  # rank 0: whatever fails here, every rank learns it

@@ -164,10 +164,6 @@ def raise_if_disk_full(error: BaseException, target: Path, needed: int) -> None:
         "some space (or lower train.keep_last) and run again: it resumes from the last checkpoint") from error
 
 
-def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def on_rank_zero(decide: Callable[[], T]) -> T:
     """`decide()` called on rank 0 only, its (picklable) result returned on every rank. When it fails every
     rank raises: rank 0 its own error, the others the same t5forge error, or a CheckpointError naming any
