@@ -31,6 +31,7 @@ from t5forge.models.hf import from_pretrained
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
 from t5forge.train.checkpoint import BestModel
+from t5forge.train.checkpoint.store import on_rank_zero
 from t5forge.train.forward import autocast
 from t5forge.train.hooks import Hook, StepInfo, TrainState
 from t5forge.train.metrics import MetricsWriter
@@ -116,11 +117,10 @@ class GenerationEvalHook(Hook):
             return
         self.last_step = step
         predictions = self.predict_on_export() if self.pipelined else self.predict()
-        is_best = False
-        if self.mesh.is_main:
+
+        def record() -> bool:  # rank 0's: scores, predictions and the log; whether this is the best so far
             scores = score(predictions, [e.target for e in self.examples])
             path = self.write_predictions(predictions)
-            is_best = self.best.consider(scores, step)
             how = "greedy" if self.generate["num_beams"] == 1 else f"beam {self.generate['num_beams']}"
             self.writer.write(
                 {"iteration": step, "consumed_samples": self.state.consumed_samples,
@@ -128,9 +128,9 @@ class GenerationEvalHook(Hook):
                  "predictions": str(path)},
                 f"generation eval at iteration {step} ({len(predictions)} examples, {how}): "
                 + " ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f"; predictions {path}")
-        box = [is_best]
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
+            return self.best.consider(scores, step)
+
+        if on_rank_zero(record):  # a failure there reaches every rank
             self.keep_best(final)
 
     def predict(self) -> list[str] | None:
@@ -164,17 +164,16 @@ class GenerationEvalHook(Hook):
         return [p for part in gathered for p in part] if mesh.is_main else None
 
     def predict_on_export(self) -> list[str] | None:
-        """Pipelined models: rank 0 generates with the HF export of the run (written just before)."""
-        device = self.mesh.device
-        predictions = None
-        if self.mesh.is_main:
+        """Pipelined models: rank 0 generates with the HF export of the run (written just before); every rank
+        gets the predictions."""
+        def generate() -> list[str]:
+            device = self.mesh.device
             model = from_pretrained(self.run_dir / "hf", dtype=torch.float32, device=device).eval()
             with autocast(device, self.precision):
-                predictions, _ = generate_from_ids(model, self.tokenizer, [e.input_ids for e in self.examples],
-                                                   self.batch_size, **self.generate)
-            del model
-        dist.barrier()
-        return predictions
+                return generate_from_ids(model, self.tokenizer, [e.input_ids for e in self.examples],
+                                         self.batch_size, **self.generate)[0]
+
+        return on_rank_zero(generate)
 
     def write_predictions(self, predictions: list[str]) -> Path:
         path = self.run_dir / "predictions" / f"iter_{self.state.step:07d}.jsonl"

@@ -145,7 +145,8 @@ class ProgressHook(Hook):
             self.progress.stop()
             self.progress = None
 
-    on_exception = after_train  # the terminal gets its cursor back
+    def on_exception(self, error: BaseException) -> None:
+        self.after_train()  # the terminal gets its cursor back
 
 
 class EvalHook(Hook):

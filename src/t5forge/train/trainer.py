@@ -392,9 +392,10 @@ class Trainer:
         return loss, report
 
     # -- the loop --------------------------------------------------------------------------------------
-    def run_training(self, hooks: list[Hook]) -> TrainState:
-        """Steps to max_steps, calling `hooks` around the steps; on a failure every hook hears of it
-        (`on_exception`) before the error goes on."""
+    def run_training(self, hooks: list[Hook] | None = None) -> TrainState:
+        """Steps to max_steps, calling `hooks` (default_hooks when None) around the steps; on a failure every
+        hook hears of it (`on_exception`) before the error goes on."""
+        hooks = hooks if hooks is not None else default_hooks(self)
         try:
             self.loop(hooks)
         except BaseException as error:
@@ -470,6 +471,9 @@ def train(run: RunConfig, echo=print, tensorboard: bool = True,
           extra_hooks: Callable[[Trainer, MetricsWriter], list[Hook]] | None = None) -> Trainer:
     """Train to the end of `run`, writing the run directory (config.yaml, metrics, checkpoints, HF export).
     `extra_hooks(trainer, writer)`: a task's own hooks (fine-tuning's evaluation by generation)."""
+    if run.data.task == "text_to_text" and extra_hooks is None:  # not silently without its evaluation
+        raise ConfigError("a data.task=text_to_text run is evaluated by generation: train it with "
+                          "t5forge.train.finetune.finetune (or `t5forge finetune`)")
     with Trainer(run, echo=echo) as trainer:
         if trainer.mesh.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)

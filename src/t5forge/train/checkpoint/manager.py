@@ -12,7 +12,13 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.train.checkpoint.export import export_hf_model
 from t5forge.train.checkpoint.manifest import verify_checkpoint
 from t5forge.train.checkpoint.state import save_training_checkpoint
-from t5forge.train.checkpoint.store import latest_checkpoint, on_rank_zero, recover_checkpoints, saved_checkpoints
+from t5forge.train.checkpoint.store import (
+    latest_checkpoint,
+    on_rank_zero,
+    recover_checkpoints,
+    recover_published,
+    saved_checkpoints,
+)
 
 # A run is the same run when these did not change: the model, the data and its order (seed), the global
 # batch and the optimiser. Everything else (the parallel layout, micro-batch size, precision, periods,
@@ -71,6 +77,7 @@ class CheckpointManager:
                                   "choose a new train.output_dir or set train.resume=auto")
             return None
         if self.resume == "auto":
+            recover_published(self.run_dir / "hf")  # an HF export a crash left aside
             if self.dir.is_dir():
                 recover_checkpoints(self.dir, self.echo)
             latest = latest_checkpoint(self.dir, echo=self.echo)

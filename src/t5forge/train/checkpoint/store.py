@@ -175,7 +175,7 @@ def on_rank_zero(decide: Callable[[], T]) -> T:
     if dist.get_rank() == 0:
         try:
             box[0] = decide()
-        except Exception as e:
+        except BaseException as e:  # DCP's CheckpointException and KeyboardInterrupt too: the others must hear
             error = e
             box[1] = e if isinstance(e, T5ForgeError) else CheckpointError(f"rank 0 failed: {type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
