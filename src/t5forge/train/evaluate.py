@@ -4,7 +4,6 @@ text-to-text targets, from a run's checkpoint)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -12,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from t5forge.data.loader import build_loader
 from t5forge.errors import ConfigError
@@ -21,7 +19,7 @@ from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.pipeline import Pipeline
 from t5forge.train.build import build_data, load_run_model
-from t5forge.train.forward import autocast, model_inputs, scalar
+from t5forge.train.forward import compute_context, model_inputs, scalar
 
 
 def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,7 +59,7 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
         pipeline.set_on_output(on_output)
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with autocast(device, precision), (loss_parallel() if tensor_parallel else contextlib.nullcontext()):
+        with compute_context(device, precision, vocab_parallel=tensor_parallel):
             if pipeline is not None:
                 result = pipeline.forward_only(batch)  # the last stage's sums; None on other stages
                 if result is not None:

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.parallelize import COMPUTE_DTYPES
@@ -33,3 +34,12 @@ def autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
+
+
+def compute_context(device: torch.device, precision: str, vocab_parallel: bool) -> contextlib.ExitStack:
+    """Autocast for the precision, and loss_parallel when the head's logits are vocab-parallel (tp > 1)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast(device, precision))
+    if vocab_parallel:
+        stack.enter_context(loss_parallel())
+    return stack

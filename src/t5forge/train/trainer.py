@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel
 
 from t5forge.config import RunConfig, load_config, to_yaml
 from t5forge.data.loader import build_loader
@@ -52,7 +51,7 @@ from t5forge.train import checkpoint as ckpt
 from t5forge.train.build import build_data, build_model, comm_layout, plan_run
 from t5forge.train.divergence import DivergenceGuard
 from t5forge.train.evaluate import evaluate
-from t5forge.train.forward import autocast, model_inputs, scalar
+from t5forge.train.forward import compute_context, model_inputs, scalar
 from t5forge.train.hooks import (
     CheckpointHook,
     EvalHook,
@@ -322,13 +321,8 @@ class Trainer:
             total += scalar(loss_sum.detach()).double()
         return total
 
-    def compute_context(self):
-        """Autocast for the run's precision, and loss_parallel when the head's logits are vocab-parallel."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(autocast(self.device, self.precision))
-        if self.mesh.tp_size > 1:
-            stack.enter_context(loss_parallel())
-        return stack
+    def compute_context(self) -> contextlib.ExitStack:
+        return compute_context(self.device, self.precision, vocab_parallel=self.mesh.tp_size > 1)
 
     @property
     def fused_head_loss(self) -> bool:
