@@ -14,7 +14,7 @@ TORCH_FLOOR := 2.8.0
 FLOOR_VENV := .venv-floor
 DOCS_INSTALLED := $(VENV)/.docs-installed
 
-.PHONY: install test test-floor demo docs clean
+.PHONY: install test test-e2e test-floor demo docs clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,12 @@ $(INSTALLED): pyproject.toml constraints.txt
 
 install: $(INSTALLED)
 
+# `make test` skips the tests marked e2e (slow end-to-end runs); `make test-e2e` runs only those.
 test: $(INSTALLED)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e" --durations=10 tests
+
+test-e2e: $(INSTALLED)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -q -m e2e --durations=10 tests
 
 $(FLOOR_VENV)/.installed: pyproject.toml
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
@@ -33,7 +37,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 	touch $(FLOOR_VENV)/.installed
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -q tests
+	$(FLOOR_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e" tests
 
 demo: $(INSTALLED)
 	$(PY) scripts/demo.py

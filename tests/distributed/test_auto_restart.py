@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from t5forge.config import load_config, to_yaml
 from t5forge.train.metrics import read_metrics
 from t5forge.train.trainer import train
@@ -50,6 +52,8 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
+# Several torchrun launches with a kill and a restart: end to end, in `make test-e2e`.
+@pytest.mark.e2e
 def test_a_killed_rank_restarts_and_resumes_by_itself(tmp_path, dataset_prefix, tokenizer_dir):
     def config(*overrides):
         return load_config(None, [

@@ -24,6 +24,8 @@ def work(corpus_file, tokenizer_dir, tmp_path):
     return work
 
 
+# Two 2-process launches, each side of each name: end to end, in `make test-e2e`.
+@pytest.mark.e2e
 def test_two_process_names_against_transformers_ddp(work, tmp_path):
     run_named_benchmarks([DP2, TP2], tmp_path / "out", work, steps=2, baseline="hf", command="test")
     result = json.loads((tmp_path / "out" / "named.json").read_text())
