@@ -1,20 +1,25 @@
-"""`t5forge comm-audit` in one process, the recorder on collectives it must attribute, and the layouts the
-analytic model refuses. The equality of measured and required communication for every parallel layout is
-tested with the layouts themselves (tests/distributed/test_equivalence.py)."""
+"""`t5forge comm-audit` in one process, the recorder on collectives it must attribute (and on waits, also
+across two processes, one of which makes the other wait), and the layouts the analytic model refuses. The
+equality of measured and required communication for every parallel layout is tested with the layouts
+themselves (tests/distributed/test_equivalence.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from t5forge.cli import main
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.parallel.comm_audit import CollectiveRecorder
+from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, record_to_dict
 from t5forge.parallel.comm_model import (
     Layout,
     Shapes,
@@ -22,6 +27,7 @@ from t5forge.parallel.comm_model import (
     step_requirements,
     totals,
 )
+from t5forge.parallel.data_parallel import GradientBuckets
 from t5forge.train.trainer import Trainer
 
 TINY_MODEL = {"vocab_size": 2176, "d_model": 32, "d_ff": 48, "d_kv": 8, "num_heads": 4, "num_layers": 2,
@@ -127,8 +133,106 @@ def test_the_recorder_names_the_group_and_times_the_wait(tmp_path):
             ("all_reduce", "dp", "backward", 40), ("all_gather", "dp", "backward", 16)]
         assert all(c.exposed_s > 0 for c in record.collectives)
         assert record.step_s >= sum(c.exposed_s for c in record.collectives)
+        # The waits (inside the blocking all_reduce, and on the async Work) were matched to their collectives.
+        assert [c.waited for c in record.collectives] == [True, True]
+        assert (record.unwaited, record.unmatched_waits) == (0, 0)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_wait_on_a_functional_collective_is_matched_through_a_view():
+    """DTensor's collectives return an AsyncCollectiveTensor, waited for at its first use, here through a view
+    (a different tensor of the same storage): the wait is the all-reduce's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        recorder = CollectiveRecorder({frozenset({0}): "tp"}, torch.device("cpu"))
+        with recorder:
+            reduced = funcol.all_reduce(torch.ones(2, 3), "sum", dist.group.WORLD)
+            assert isinstance(reduced, funcol.AsyncCollectiveTensor)
+            torch.testing.assert_close(reduced.view(-1) + 1, torch.full((6,), 2.0))
+        record = recorder.record
+        assert [(c.kind, c.dim, c.nbytes, c.waited) for c in record.collectives] == [("all_reduce", "tp", 24, True)]
+        assert (record.unwaited, record.unmatched_waits) == (0, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_waits_the_recorder_cannot_attribute_are_counted():
+    """An async collective never waited for inside the span, and a wait on one issued before it: neither
+    can vanish into an exposed time of 0, both are counted in the record and the report."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        earlier = dist.all_reduce(torch.ones(2), async_op=True)
+        recorder = CollectiveRecorder({frozenset({0}): "world"}, torch.device("cpu"))
+        with recorder:
+            later = dist.all_reduce(torch.ones(3), async_op=True)
+            earlier.wait()
+        later.wait()
+        record = recorder.record
+        assert [(c.nbytes, c.waited) for c in record.collectives] == [(12, False)]
+        assert (record.unwaited, record.unmatched_waits) == (1, 1)
+        report = build_report([record_to_dict(record)], [{("all_reduce", "world"): {"count": 1, "bytes": 12}}],
+                              1, {})
+        assert report["ok"] and report["rows"][0]["unwaited"] == 1
+        assert (report["totals"]["unwaited"], report["totals"]["unmatched_waits"]) == (1, 1)
+        assert "waits not timed: 1 collective(s)" in format_report(report)
+    finally:
+        dist.destroy_process_group()
+
+
+DELAY_S = 0.4
+# Rank 1 of the two-rank test below: after each barrier, it issues its collective DELAY_S late.
+PEER = f"""
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from t5forge.parallel.data_parallel import GradientBuckets
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+dist.barrier()
+time.sleep({DELAY_S})
+dist.all_reduce(torch.ones(4))
+model = torch.nn.Linear(4, 4)
+buckets = GradientBuckets(list(model.parameters()), dist.group.WORLD)
+dist.barrier()
+time.sleep({DELAY_S})
+model(torch.ones(2, 4)).sum().backward()
+buckets.finish()
+dist.destroy_process_group()
+"""
+
+
+def test_a_late_rank_shows_as_exposed_wait_on_the_other():
+    """Two gloo ranks (this process and one launched): rank 1 issues its all-reduce DELAY_S late, so rank 0
+    waits on its async all-reduce almost that long. The recorder must time that wait and give it to the
+    all-reduce (the call itself returns at once), and GradientBuckets must count it as gradient wait."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(store.port)], stderr=subprocess.PIPE, text=True)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
+        try:
+            # The first op under a dispatch mode imports torch._dynamo (~1 s): not inside the timed part, where
+            # it would hide the peer's delay.
+            with CollectiveRecorder({}, torch.device("cpu")):
+                dist.barrier()
+            recorder = CollectiveRecorder({frozenset({0, 1}): "world"}, torch.device("cpu"))
+            with recorder:
+                work = dist.all_reduce(torch.ones(4), async_op=True)
+                work.wait()
+            model = torch.nn.Linear(4, 4)
+            buckets = GradientBuckets(list(model.parameters()), dist.group.WORLD)
+            dist.barrier()
+            model(torch.ones(2, 4)).sum().backward()
+            buckets.finish()
+        finally:
+            dist.destroy_process_group()
+    finally:
+        assert peer.wait(timeout=60) == 0, peer.stderr.read()
+    [collective] = recorder.record.collectives
+    assert 0.1 < collective.exposed_s <= recorder.record.step_s, collective
+    assert (collective.kind, collective.dim, collective.waited) == ("all_reduce", "world", True)
+    assert recorder.record.unmatched_waits == 0
+    assert 0.1 < buckets.wait_seconds() < 10 * DELAY_S
 
 
 def test_the_wait_patch_lives_exactly_as_long_as_the_recorder():

@@ -12,8 +12,14 @@ why this is written by hand (CommDebugMode only counts DTensor's).
 
 Exposed time is the time the step could not compute because it waited for a collective: the span of
 each collective call and of each wait on its result (`Work.wait`, `wait_tensor`). On CPUs (gloo) that is
-host time. On GPUs the span is measured on the compute stream with a pair of CUDA events, so what NCCL
-ran behind computation does not count and nothing synchronises until the step has ended.
+host time. On GPUs the span is measured on the compute stream with a pair of CUDA events (timing.SpanTimer):
+NCCL's `Work.wait()` returns at once and stalls the compute stream instead, and that stall lies between the
+events, while what NCCL ran behind computation does not count; nothing synchronises until the step has
+ended. A c10d op hands the dispatcher its Work as a ScriptObject: the recorder unboxes it and keeps the
+Python `Work` alive until it is waited on, so the object the caller gets back (pybind11 returns the live
+wrapper of the same C++ Work) is the one the patched `Work.wait` recognises. Waits the recorder cannot
+match are counted, never lost silently: a collective issued but not waited for inside the span
+(`unwaited`), and a wait on a collective issued elsewhere (`unmatched_waits`, timed but unattributed).
 
 Bytes are the logical payload per rank: the full buffer of an all-reduce, the gathered output of an
 all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv."""
@@ -27,8 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from t5forge.parallel.timing import SpanTimer
 
 # op name (without overload) -> collective type, for both namespaces.
 C10D_OPS = {
@@ -90,23 +99,40 @@ class Collective:
     phase: str
     nbytes: int
     exposed_s: float = 0.0
+    waited: bool = False  # its wait (Work.wait, wait_tensor) was seen and timed inside the span
+
+    def add_exposed(self, seconds: float) -> None:
+        self.exposed_s += seconds
 
 
 @dataclass
 class StepRecord:
-    """What one audited step issued, in order, and how long it took."""
+    """What one audited step issued, in order, and how long it took. `unmatched_waits`: waits on collectives
+    issued outside the span or unseen by the recorder; their time (`unmatched_wait_s`) is exposed but not
+    attributed to a collective."""
 
     collectives: list[Collective] = field(default_factory=list)
     step_s: float = 0.0
+    unmatched_waits: int = 0
+    unmatched_wait_s: float = 0.0
+
+    def add_unmatched_wait(self, seconds: float) -> None:
+        self.unmatched_wait_s += seconds
+
+    @property
+    def unwaited(self) -> int:
+        """Collectives whose wait the recorder did not see: their exposed time covers the call only."""
+        return sum(not c.waited for c in self.collectives)
 
     def totals(self) -> dict[tuple[str, str], dict]:
-        """{(type, mesh dim): {count, bytes, exposed_s}}."""
-        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "exposed_s": 0.0})
+        """{(type, mesh dim): {count, bytes, exposed_s, unwaited}}."""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "exposed_s": 0.0, "unwaited": 0})
         for c in self.collectives:
             entry = out[(c.kind, c.dim)]
             entry["count"] += 1
             entry["bytes"] += c.nbytes
             entry["exposed_s"] += c.exposed_s
+            entry["unwaited"] += not c.waited
         return dict(out)
 
     def by_phase(self) -> dict[tuple[str, str, str], dict]:
@@ -142,35 +168,6 @@ def mesh_dims(mesh) -> dict[frozenset[int], str]:
     return dims
 
 
-class _Timer:
-    """Spans on the host (CPU) or on the current CUDA stream (read once, after the step)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.pending: list = []  # (collective, start event, end event)
-
-    def start(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, collective: Collective, started) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((collective, started, end))
-        else:
-            collective.exposed_s += time.perf_counter() - started
-
-    def resolve(self) -> None:
-        for collective, start, end in self.pending:
-            end.synchronize()
-            collective.exposed_s += start.elapsed_time(end) / 1e3
-        self.pending = []
-
-
 def install_phase_hooks(model: torch.nn.Module, set_phase) -> list:
     """Hooks that announce the phases inside the model's forward pass through `set_phase(name)`: forward
     encoder (its embedding included) -> forward decoder (its embedding included) -> loss (LM head and
@@ -191,6 +188,15 @@ def install_phase_hooks(model: torch.nn.Module, set_phase) -> list:
             model.decoder.register_forward_hook(after_decoder)]
 
 
+def _handle_key(handle) -> tuple:
+    """What identifies the result of a collective at its wait: the Work object, or the storage of the returned
+    tensor (as torch's own registry of functional collectives does): what is waited on may be a view of it,
+    as AsyncCollectiveTensor wraps view ops' results again before the wait."""
+    if isinstance(handle, torch.Tensor):
+        return "storage", handle.untyped_storage().data_ptr()
+    return "work", id(handle)
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """While active, records every collective (see the module docstring) into `self.record`. `phase` is set
     by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`)."""
@@ -201,9 +207,10 @@ class CollectiveRecorder(TorchDispatchMode):
         self._labels: dict[str, str] = {}  # group name -> mesh dim
         self.phase = "bookkeeping"
         self.record = StepRecord()
-        self.timer = _Timer(device)
-        # id(Work or tensor) -> (it, Collective), for the wait that comes later; kept alive meanwhile.
-        self._pending: dict[int, tuple] = {}
+        self.timer = SpanTimer(device)
+        # _handle_key(Work or tensor) -> (it, Collective), for the wait that comes later. Holding the Work
+        # keeps its Python wrapper alive, so the caller receives this very object (and its id) for the C++ Work.
+        self._pending: dict[tuple, tuple] = {}
         self._scope: contextlib.ExitStack | None = None  # what __enter__ set up, undone by __exit__
         self._start = 0.0
 
@@ -217,9 +224,10 @@ class CollectiveRecorder(TorchDispatchMode):
         return self._labels[group_name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, (DTensor, AsyncCollectiveTensor)) for t in types):
             # Modes run before tensor subclasses: let DTensor turn the op into local ops and collectives
-            # first, which then come back here (as CommDebugMode does).
+            # first, which then come back here (as CommDebugMode does); the same for the result of a
+            # functional collective, whose first use waits for it (wait_tensor), seen here only this way.
             return NotImplemented
         kwargs = kwargs or {}
         namespace, name = func.namespace, func.__name__.split(".")[0]
@@ -236,35 +244,45 @@ class CollectiveRecorder(TorchDispatchMode):
         elif namespace == "_c10d_functional" and name == "wait_tensor":
             started = self.timer.start()
             out = func(*args, **kwargs)
-            entry = self._pending.pop(id(args[0]), None)  # the tensor the collective returned
-            if entry is not None:
-                self.timer.stop(entry[1], started)
+            self._waited(self._pending.pop(_handle_key(args[0]), None), started)
             return out
         if collective is None:
             return func(*args, **kwargs)
         self.record.collectives.append(collective)
         started = self.timer.start()
         out = func(*args, **kwargs)
-        self.timer.stop(collective, started)
-        # What the step waits on later: a Work (c10d) or the returned tensor (functional).
-        pending = (out if isinstance(out, (tuple, list)) else (out,)) if namespace == "c10d" else _tensors(out)
+        self.timer.stop(started, collective.add_exposed)
+        # What the step waits on later: the Work of a c10d op, which reaches a dispatch mode as a
+        # ScriptObject (the caller gets the Python Work of the same C++ object), or the returned tensors.
+        if namespace == "c10d":
+            pending = [dist.Work.unbox(o) for o in (out if isinstance(out, (tuple, list)) else (out,))
+                       if isinstance(o, torch.ScriptObject)]
+        else:
+            pending = _tensors(out)
         for handle in pending:
-            if isinstance(handle, (dist.Work, torch.Tensor)):
-                self._pending[id(handle)] = (handle, collective)
+            self._pending[_handle_key(handle)] = (handle, collective)
         return out
+
+    def _waited(self, entry: tuple | None, started) -> None:
+        """A wait that began at `started` has returned: its span is exposed time of the collective of
+        `entry` (a _pending value), or unattributed when the collective was not issued inside the span."""
+        if entry is None:
+            self.record.unmatched_waits += 1
+            self.timer.stop(started, self.record.add_unmatched_wait)
+            return
+        collective = entry[1]
+        collective.waited = True
+        self.timer.stop(started, collective.add_exposed)
 
     def __enter__(self):
         if self._scope is not None:
             raise RuntimeError("a CollectiveRecorder records one span at a time; make one per step")
         original = dist.Work.wait
 
-        def wait(work, *args, **kwargs):  # a C++ method, unseen by dispatch: where async collectives are waited for
-            entry = self._pending.pop(id(work), None)
-            if entry is None:
-                return original(work, *args, **kwargs)
+        def wait(work, *args, **kwargs):  # a C++ method, unseen by dispatch: where c10d collectives are waited for
             started = self.timer.start()
             result = original(work, *args, **kwargs)
-            self.timer.stop(entry[1], started)
+            self._waited(self._pending.pop(_handle_key(work), None), started)
             return result
 
         # Undone in reverse order on exit, or at once if entering fails part way: the process-wide patch of
@@ -296,7 +314,8 @@ class CollectiveRecorder(TorchDispatchMode):
 # -- the report ------------------------------------------------------------------------------------------
 def record_to_dict(record: StepRecord) -> dict:
     """A rank's record in plain types (for all_gather_object and JSON)."""
-    return {"step_s": record.step_s,
+    return {"step_s": record.step_s, "unmatched_waits": record.unmatched_waits,
+            "unmatched_wait_s": record.unmatched_wait_s,
             "totals": [{"collective": k, "dim": d, **v} for (k, d), v in sorted(record.totals().items())],
             "phases": [{"phase": p, "collective": k, "dim": d, **v}
                        for (p, k, d), v in sorted(record.by_phase().items(), key=lambda i: PHASES.index(i[0][0]))]}
@@ -307,12 +326,15 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
     """Compare every rank's measured totals with its required ones. `ranks`: record_to_dict of each rank;
     `required`: each rank's {(collective, dim): {count, bytes}} (comm_model.totals). A row per (collective,
     dim) that was measured or required: rank 0's count and bytes beside its requirement, the exposed time
-    averaged over ranks and its share of the step. `ok` is true only if every rank issued exactly its
-    requirement."""
+    averaged over ranks and its share of the step, and how many of its collectives were not seen waited for
+    (`unwaited`, summed over ranks: their exposed time is only that of the call). `totals` also counts
+    the waits on collectives issued outside the step (`unmatched_waits`, all ranks) and their time
+    (`unmatched_wait_ms`, averaged over ranks), exposed but in no row. `ok` is true only if every rank issued
+    exactly its requirement."""
     measured = [{(t["collective"], t["dim"]): t for t in r["totals"]} for r in ranks]
     keys = sorted({k for need in required for k in need} | {k for m in measured for k in m})
     step_s = sum(r["step_s"] for r in ranks) / len(ranks)
-    zero = {"count": 0, "bytes": 0, "exposed_s": 0.0}
+    zero = {"count": 0, "bytes": 0, "exposed_s": 0.0, "unwaited": 0}
     rows, differences = [], []
     for key in keys:
         for rank, m in enumerate(measured):
@@ -326,7 +348,8 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
         rows.append({"collective": key[0], "dim": key[1], "count": got["count"], "bytes": got["bytes"],
                      "required_count": need["count"], "required_bytes": need["bytes"],
                      "ratio": got["bytes"] / need["bytes"] if need["bytes"] else (1.0 if not got["bytes"] else None),
-                     "exposed_ms": exposed * 1e3, "share": exposed / step_s if step_s else 0.0})
+                     "exposed_ms": exposed * 1e3, "share": exposed / step_s if step_s else 0.0,
+                     "unwaited": sum(m.get(key, zero)["unwaited"] for m in measured)})
     total_bytes = sum(r["bytes"] for r in rows)
     total_required = sum(r["required_bytes"] for r in rows)
     exposed_s = sum(r["exposed_ms"] for r in rows) / 1e3
@@ -337,7 +360,10 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
         "totals": {"count": sum(r["count"] for r in rows), "bytes": total_bytes,
                    "required_count": sum(r["required_count"] for r in rows), "required_bytes": total_required,
                    "ratio": total_bytes / total_required if total_required else None,
-                   "exposed_ms": exposed_s * 1e3, "share": exposed_s / step_s if step_s else 0.0},
+                   "exposed_ms": exposed_s * 1e3, "share": exposed_s / step_s if step_s else 0.0,
+                   "unwaited": sum(r["unwaited"] for r in rows),
+                   "unmatched_waits": sum(r["unmatched_waits"] for r in ranks),
+                   "unmatched_wait_ms": sum(r["unmatched_wait_s"] for r in ranks) / len(ranks) * 1e3},
         # All ranks' bytes of one step over the samples of the global batch.
         "bytes_per_sample": all_ranks_bytes / samples_per_step,
     }
@@ -373,6 +399,10 @@ def format_report(report: dict) -> str:
                  f"{100 * t['share']:.1f}% |")
     lines.append(f"step {report['step_ms']:.0f} ms; {_size(report['bytes_per_sample'])} per sample (all ranks); "
                  + ("issued = required" if report["ok"] else f"{len(report['differences'])} difference(s):"))
+    if t["unwaited"] or t["unmatched_waits"]:  # exposed time the table cannot show
+        lines.append(f"waits not timed: {t['unwaited']} collective(s) (all ranks) not waited for inside the step, "
+                     f"so their exposed ms count the call only; {t['unmatched_waits']} wait(s) on collectives "
+                     f"issued elsewhere took {t['unmatched_wait_ms']:.1f} ms (averaged over ranks), in no row")
     for d in report["differences"][:20]:
         lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
                      f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")

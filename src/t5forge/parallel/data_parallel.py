@@ -23,8 +23,6 @@ are averaged over dp in every stage; the trainer scales the loss accordingly."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.parallel.timing import SpanTimer
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,8 +133,11 @@ class GradientBuckets:
         self.group, self.shard, self.overlap = dp_group, shard, overlap
         self.size, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True  # False on the micro-batches before the last one of a step
-        self.wait_seconds = 0.0  # host time spent waiting for gradient collectives (the exposed part)
         params = [p for p in params if p.requires_grad]
+        # The exposed part of the gradient reduction: host time on a CPU, a stall of the compute stream on a
+        # GPU (NCCL's wait does not block the host), read by wait_seconds() outside the step.
+        self._wait_timer = SpanTimer(local(params[0]).device if params else torch.device("cpu"))
+        self._wait_s = 0.0
         sizes = [local(p).numel() for p in params]
         element_size = local(params[0]).element_size() if params else 4
         self.buckets = [[params[i] for i in bucket] for bucket in partition_buckets(sizes, element_size, bucket_bytes)]
@@ -167,6 +169,15 @@ class GradientBuckets:
     def communicated_elements(self) -> int:
         """Elements of the flat buffers reduced per step: every gradient element once."""
         return sum(layout["total"] for layout in self.layouts)
+
+    def wait_seconds(self) -> float:
+        """Seconds spent waiting for the gradient collectives (and writing the averages back) in `finish()`,
+        summed over every step so far. On a GPU this synchronises with the device: read it outside the step."""
+        self._wait_timer.resolve()
+        return self._wait_s
+
+    def _add_wait(self, seconds: float) -> None:
+        self._wait_s += seconds
 
     def _sections(self, flat: torch.Tensor, layout: dict) -> list[torch.Tensor]:
         return [flat[start:start + size] for start, size in zip(layout["starts"], layout["sizes"])]
@@ -215,7 +226,7 @@ class GradientBuckets:
             return
         for i in range(self.next_bucket, len(self.buckets)):
             self._launch(i)
-        start = time.perf_counter()
+        started = self._wait_timer.start()
         for bucket, layout, (work, reduced) in zip(self.buckets, self.layouts, self.launched):
             work.wait()
             reduced.div_(self.size)
@@ -228,7 +239,7 @@ class GradientBuckets:
                     p.grad = torch.zeros_like(p)
                 g = local(p.grad)
                 g.copy_(reduced[offset - base:offset - base + g.numel()].view_as(g))
-        self.wait_seconds += time.perf_counter() - start
+        self._wait_timer.stop(started, self._add_wait)
         self._reset()
 
     @torch.no_grad()
