@@ -121,10 +121,27 @@ class PrecisionConfig:
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
 class ParallelConfig:
+    """`backend`, the process group's communication library:
+
+    - auto: "cpu:gloo,cuda:nccl" on GPUs (CUDA tensors through NCCL, the rare host tensor through gloo),
+      gloo on CPUs.
+    - nccl: the same as auto on GPUs; refused without a GPU.
+    - gloo: gloo for every tensor, also on GPUs, so that several processes can share one GPU (NCCL refuses
+      two ranks on one device; processes beyond the GPU count wrap around). For tests, not speed: torch's
+      ProcessGroupGloo copies CUDA tensors through pinned host memory for broadcast, all_reduce, all_gather
+      (equal sizes only), gather, scatter and all_to_all, and runs reduce_scatter_tensor as an all_reduce of
+      the whole input; send/recv and the coalesced all-gather take host tensors only, and it has no AVG
+      reduction: on GPUs, pipeline parallelism and ZeRO 1-3 are refused with it (dp and tp work).
+
+    `timeout_minutes` bounds every collective of the default group (a hang ends with an error after it);
+    `rank0_work_timeout_minutes` bounds instead how long the other ranks wait while rank 0 alone works (HF
+    export, checkpoint checksums, generation in fine-tuning evaluation), on a gloo group of its own."""
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -135,6 +152,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (micro-batches: the accumulation steps)
     pp_layers: list[int] | None = None  # blocks per pipeline stage, encoder then decoder; None: balanced by FLOPs
     pp_stages_per_rank: int = 2  # interleaved_1f1b: virtual stages per pipeline rank
+    backend: str = "auto"  # auto | nccl | gloo (see above)
+    timeout_minutes: float = 10.0  # of every collective of the default process group
+    rank0_work_timeout_minutes: float = 60.0  # of the other ranks' wait while rank 0 alone works
 
 
 @dataclass
@@ -154,6 +174,7 @@ _CHOICES = {
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.backend": BACKENDS,
     "data.task": DATA_TASKS,
     "finetune.best_metric": TASK_METRICS,
 }
@@ -278,6 +299,9 @@ def check_config(run: RunConfig) -> None:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
     if min(p.dp, p.tp, p.pp) < 1:
         raise ConfigError(f"parallel.dp, tp and pp must be >= 1, got {p.dp}, {p.tp}, {p.pp}")
+    for key in ("timeout_minutes", "rank0_work_timeout_minutes"):
+        if not getattr(p, key) > 0:
+            raise ConfigError(f"parallel.{key} must be a positive number of minutes, got {getattr(p, key)}")
     d = run.data
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0 (0: load in the training process), got {d.num_workers}")

@@ -18,6 +18,9 @@ import sys
 import tempfile
 
 _PR_SET_PDEATHSIG = 1
+# Added to LOCAL_RANK to find a process's GPU (parallel.mesh.device_index): `launch` sets it for each torchrun
+# agent after the first that emulates a node on this machine, whose LOCAL_RANKs also start at 0.
+DEVICE_OFFSET_ENV = "T5FORGE_DEVICE_OFFSET"
 
 
 def die_with_parent(*_ignored) -> None:
@@ -101,7 +104,9 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
     Returns one CompletedProcess per agent; its returncode is the exit status of the agent's first failing
     rank (which printed its own error), else 0. `capture`: each agent's output (its ranks' included) as
     text in stdout / stderr instead of passing through; `scratch`: the ranks' TMPDIR; `share_cores`: this
-    machine's cores split between all ranks as OMP threads (default: torchrun's one thread per rank)."""
+    machine's cores split between all ranks as OMP threads (default: torchrun's one thread per rank).
+    The ranks of agent i take GPU i x processes + LOCAL_RANK (DEVICE_OFFSET_ENV), so that the emulated
+    nodes do not share GPUs."""
     if nodes == 1:
         rendezvous = ["--standalone"]
     else:
@@ -122,7 +127,8 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
         # Files, not pipes: an agent blocked on a full pipe would stall the collectives of all of them.
         outputs = [[files.enter_context(tempfile.TemporaryFile("w+")) if capture else None for _ in range(2)]
                    for _ in range(nodes)]
-        agents = [subprocess.Popen(agent, stdout=out, stderr=err, env=env) for out, err in outputs]
+        agents = [subprocess.Popen(agent, stdout=out, stderr=err, env={**env, **agent_env(i, processes)})
+                  for i, (out, err) in enumerate(outputs)]
         try:
             codes = [a.wait() for a in agents]
         except BaseException:  # interrupted: the agents stop their ranks before this process goes
@@ -132,6 +138,12 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
             raise
         return [subprocess.CompletedProcess(agent, code, _read(out), _read(err))
                 for code, (out, err) in zip(codes, outputs)]
+
+
+def agent_env(agent: int, processes: int) -> dict[str, str]:
+    """The environment that tells the ranks of the `agent`-th torchrun agent (of `processes` ranks each) on
+    this machine where their GPUs start (set for the first too: not inherited from this process)."""
+    return {DEVICE_OFFSET_ENV: str(agent * processes)}
 
 
 def _read(file) -> str | None:

@@ -10,11 +10,12 @@ import os
 import pytest
 
 from t5forge.lifecycle import launch
+from t5forge.parallel.mesh import device_index
 
 # python -m rank_module STATUS ATTEMPTS: rank 1 exits with STATUS in the first ATTEMPTS attempts.
 RANK = """import json, os, sys
-keys = ("RANK", "WORLD_SIZE", "TMPDIR", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-        "TORCHELASTIC_RESTART_COUNT")
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TMPDIR", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "TORCHELASTIC_RESTART_COUNT", "T5FORGE_DEVICE_OFFSET")
 print(json.dumps({key: os.environ.get(key) for key in keys}))
 status, attempts = int(sys.argv[1]), int(sys.argv[2])
 failing = os.environ["RANK"] == "1" and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < attempts
@@ -40,6 +41,8 @@ def test_two_nodes_of_two_ranks_form_one_job(rank_module, tmp_path):
     assert {r["OMP_NUM_THREADS"] for r in ranks} == {str(max(1, os.cpu_count() // 4))}
     # Restarted ranks would otherwise reach the previous attempt's store (pytorch/pytorch#135712).
     assert {r["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] for r in ranks} == {"1"}
+    # Both agents number LOCAL_RANK from 0; on a 4-GPU machine every rank still gets a GPU of its own.
+    assert sorted(device_index({k: v for k, v in r.items() if v is not None}, 4) for r in ranks) == [0, 1, 2, 3]
 
 
 def test_the_exit_status_is_the_failing_ranks(rank_module):

@@ -1,6 +1,8 @@
 """Checkpoints of two gloo processes, in one launch: the manifest covers every rank's files, rank 0 alone
 verifies the checkpoint to resume from and every rank gets its choice or its error, and a failure of rank 0
-after the collective part of a save reaches both ranks at once instead of leaving one waiting."""
+after the collective part of a save reaches both ranks at once instead of leaving one waiting. Then, in a
+second process group with a short timeout: a wait on rank 0's work may outlast it (the group of
+parallel.rank0_work_timeout_minutes bounds it), and one rank short of GPU memory stops both at once."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from t5forge.errors import CheckpointError
+from t5forge.parallel.mesh import prepare_rank_zero_work_group
+from t5forge.parallel.parallelize import check_fits
 from t5forge.models.presets import get_preset
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.train.checkpoint import CheckpointManager, checkpoint_problems, save_training_checkpoint
 from t5forge.train.checkpoint import manifest as manifest_module
+from t5forge.train.checkpoint.store import on_rank_zero
 
 TIMEOUT_S = 60  # of the process group: a rank left waiting fails the test long before
+SHORT_S = 3  # of the second process group's collectives
 
 
 def model_and_optimizer():
@@ -93,13 +98,28 @@ def checks(rank: int, run_dir: Path) -> dict:
     return found
 
 
+def setup_checks(rank: int) -> dict:
+    found = {}
+    prepare_rank_zero_work_group(timeout_minutes=TIMEOUT_S / 60)  # as init_distributed does at set-up
+    # Rank 0 works longer than the default group's timeout while rank 1 waits for its answer.
+    found["long_work"] = outcome(lambda: on_rank_zero(lambda: time.sleep(1.5 * SHORT_S) or 42))[:2]
+    # Rank 1's GPU (faked) has 0.5 GiB free for a model that needs 1 GiB per rank.
+    found["fits"] = outcome(lambda: check_fits(2**30, 2**33 if rank == 0 else 2**29, "model t5-tiny"))[1:]
+    return found
+
+
 def worker(rank: int, run_dir: Path, results) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{run_dir.parent / 'rendezvous'}", rank=rank,
                                 world_size=2, timeout=timedelta(seconds=TIMEOUT_S))
-        results.put((rank, checks(rank, run_dir)))
+        found = checks(rank, run_dir)
         dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{run_dir.parent / 'rendezvous-short'}", rank=rank,
+                                world_size=2, timeout=timedelta(seconds=SHORT_S))
+        found.update(setup_checks(rank))
+        dist.destroy_process_group()
+        results.put((rank, found))
     except BaseException:
         results.put((rank, {"crashed": traceback.format_exc()}))
 
@@ -134,3 +154,12 @@ def test_two_ranks_save_resume_and_fail_together(tmp_path):
     assert zero["hashed_files"] > 0 and one["hashed_files"] == 0
     assert zero["no_resume"][0] == one["no_resume"][0] == "CheckpointError"
     assert zero["no_resume"][1] == one["no_resume"][1] and "no complete checkpoint in" in one["no_resume"][1]
+
+    # Rank 0's work outlasted the default group's timeout: rank 1 still got its answer.
+    assert zero["long_work"] == one["long_work"] == (42, None)
+
+    # Every rank refuses the model, promptly, naming the rank that is short and the numbers.
+    for rank in (0, 1):
+        kind, message, seconds = found[rank]["fits"]
+        assert kind == "ConfigError" and seconds < SHORT_S, found[rank]["fits"]
+        assert "needs 1.0 GiB per GPU" in message and "rank 1's GPU has 0.5 GiB free" in message

@@ -3,7 +3,11 @@ its throughput on two nodes, at CPU scale: a 12-layer, hidden-768 T5 (t5-base), 
 "node" of 4 processes and dp4 x mp2 on two "nodes" (two torchrun agents x 4 processes). Each layout runs
 `t5forge comm-audit` (two steps, the second audited): the table per collective and mesh dimension, bytes
 per sample, the exposed share of the step, and the ratio to the analytic minimum. Writes
-OUTPUT_DIR/comm.json and OUTPUT_DIR/comm.md."""
+OUTPUT_DIR/comm.json and OUTPUT_DIR/comm.md.
+
+On GPUs each process needs a GPU of its own (NCCL refuses two processes on one): the agents' ranks take
+consecutive GPUs (`lifecycle.launch`), and a layout with more processes than this machine has GPUs is
+refused before anything starts."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from t5forge.bench.common import bench_config, machine_info, markdown_table, write_report
+from t5forge.errors import ConfigError
 from t5forge.lifecycle import launch
 
 # name: (agents ("nodes"), processes per agent, overrides). ZeRO-2 and full recompute as in the seed's
@@ -33,6 +38,16 @@ def _json_in(stdout: str) -> dict:
     return json.JSONDecoder().raw_decode(stdout[start:])[0]
 
 
+def check_gpus(layouts: dict, gpus: int) -> None:
+    """Refuse, before launching, a layout with more processes than `gpus` (0: a CPU machine, where any
+    number of processes share the cores)."""
+    for name, (agents, processes, _) in layouts.items():
+        if 0 < gpus < agents * processes:
+            raise ConfigError(f"layout {name!r} runs {agents} x {processes} processes, one GPU each, and this machine "
+                              f"has {gpus} GPU(s) (NCCL refuses two processes on one GPU); run `t5forge bench comm` on "
+                              f"a machine with {agents * processes} GPUs, or on a CPU machine")
+
+
 def _audit(config: Path, agents: int, processes: int, overrides: list[str], work: Path, name: str) -> dict:
     """One `t5forge comm-audit --json` job of `agents` torchrun agents; returns rank 0's report (an audit
     that finds excess communication exits 1 and still reports)."""
@@ -48,8 +63,11 @@ def _audit(config: Path, agents: int, processes: int, overrides: list[str], work
 def run_comm_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, layouts: dict = LAYOUTS,
                        model: list[str] = MODEL, batch: list[str] = BATCH) -> dict:
     """Audit every layout; `model` and `batch` are overrides (tests shrink them)."""
+    import torch
+
     from t5forge.parallel.comm_audit import format_report
 
+    check_gpus(layouts, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     work, config = bench_config(work_dir, "comm-bench")
     results = {}
     for name, (agents, processes, overrides) in layouts.items():

@@ -5,7 +5,8 @@
    peak memory (peak allocated on GPU, peak resident set on CPU, which includes ~0.5 GB of libraries).
 2. Overlap: dp2 on a t5-small-shaped model, ZeRO-0 and ZeRO-1, with the gradient reduction overlapped
    with the backward pass or started after it: step time, and the time the process waits for gradient
-   communication after its backward pass (the exposed part), as a share of the step.
+   communication after its backward pass (the exposed part: host time on a CPU, the stall of the compute
+   stream on a GPU, GradientBuckets.wait_seconds), as a share of the step.
 3. Loading: peak resident memory per rank while building an mT5-XL-shaped model (fewer layers) from a
    locally generated HF checkpoint, in sharded layouts and in one process (the full size).
 
@@ -68,11 +69,11 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from t5forge.config import load_config
-    from t5forge.parallel.mesh import process_group_backend
+    from t5forge.parallel.mesh import init_distributed
     from t5forge.train.metrics import peak_memory_mib
     from t5forge.train.trainer import Trainer, default_hooks
 
-    dist.init_process_group(process_group_backend(torch.cuda.is_available()))
+    init_distributed()  # each process on its own device
     trainer = Trainer(load_config(config, [path_override("train.output_dir", Path(out, "run")), *overrides]),
                       echo=lambda *_: None)
     timer = StepTimer(trainer.grad_sync)
@@ -104,7 +105,7 @@ class StepTimer(Hook):
 
     def after_step(self, info) -> None:
         now = self.clock()
-        wait = self.grad_sync.wait_seconds if self.grad_sync is not None else 0.0
+        wait = self.grad_sync.wait_seconds() if self.grad_sync is not None else 0.0
         self.steps.append(now - self.last)
         self.waits.append(wait - self.last_wait)
         self.last, self.last_wait = now, wait
@@ -124,11 +125,11 @@ def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from t5forge.config import load_config
-    from t5forge.parallel.mesh import build_mesh, process_group_backend
+    from t5forge.parallel.mesh import build_mesh, init_distributed
     from t5forge.train.metrics import peak_memory_mib
     from t5forge.train.build import build_model, build_model_config
 
-    dist.init_process_group(process_group_backend(torch.cuda.is_available()))
+    init_distributed()  # each process on its own device
     run = load_config(None, [path_override("model.path", hf_dir), "data.dataset=unused", "data.tokenizer=unused",
                              "train.output_dir=unused", "train.max_steps=1", *overrides])
     before = peak_memory_mib(torch.device("cpu"))
@@ -239,7 +240,8 @@ def render_markdown(r: dict) -> str:
             f"Same model and batch, {r['overlap']['steps']} steps, the first left out. *Waiting* is the time a "
             "process spends after its last backward pass waiting for the gradient collectives (all-reduce for "
             "ZeRO-0, reduce-scatter for ZeRO-1, in ~25 MB buckets); with overlap the buckets start during the "
-            "backward pass as soon as their gradients are final. Slowest rank shown. On this CPU the "
+            "backward pass as soon as their gradients are final (on a GPU the wait is the stall of the compute "
+            "stream, timed with CUDA events). Slowest rank shown. On this CPU the "
             "collectives (gloo threads) compete with the backward pass for the same 2 cores; on GPUs NCCL "
             "runs beside the compute.",
             "",

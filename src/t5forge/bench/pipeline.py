@@ -46,9 +46,10 @@ def worker(config: str, out: str, cases: list[dict]) -> None:
     import torch.distributed as dist
 
     from t5forge.config import load_config
+    from t5forge.parallel.mesh import init_distributed
     from t5forge.train.trainer import Trainer
 
-    dist.init_process_group("gloo")
+    init_distributed()  # held across cases (each trainer's mesh reuses it), each process on its own device
     results = []
     for case in cases:
         run = load_config(config, case["overrides"])

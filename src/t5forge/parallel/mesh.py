@@ -1,8 +1,10 @@
 """The device mesh: (pp, dp, tp) from the torchrun environment, tp innermost so that a tensor-parallel
-group stays inside one node. On GPUs the default process group serves both devices ("cpu:gloo,cuda:nccl"):
-every per-step collective runs on the GPU through NCCL, and the occasional host-side one (a barrier
-around checkpoint files) still works through gloo. gloo alone on CPUs. A single process is the 1 x 1 x 1 mesh, built
-by the same code (a one-rank process group), so nothing downstream has a special case for it.
+group stays inside one node. `init_distributed` is the one place a process finds its device and joins the
+default process group: on GPUs the group serves both devices ("cpu:gloo,cuda:nccl", parallel.backend=auto):
+every per-step collective runs on the GPU through NCCL, and the occasional host-side one (the object
+collectives around checkpoint files, set-up checks) still works through gloo; gloo alone on CPUs. A single
+process is the 1 x 1 x 1 mesh, built by the same code (a one-rank process group), so nothing downstream has
+a special case for it.
 
 Every size check happens in `check_layout`, before any process group exists: a bad layout fails with a
 message on every rank instead of hanging in a collective."""
@@ -10,6 +12,8 @@ message on every rank instead of hanging in a collective."""
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
+from t5forge.lifecycle import DEVICE_OFFSET_ENV
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.tensor_parallel import check_tp_divides
 
@@ -97,27 +102,114 @@ class Mesh:
             dist.destroy_process_group()
 
 
-def process_group_backend(cuda_available: bool) -> str:
-    """The default group's backend: NCCL alone refuses CPU tensors, so GPUs get gloo beside it."""
+def process_group_backend(cuda_available: bool, choice: str = "auto") -> str:
+    """The default group's backend for parallel.backend=`choice`: NCCL alone refuses CPU tensors, so GPUs get
+    gloo beside it; "gloo" carries CUDA tensors too, through host memory (see ParallelConfig)."""
+    if choice == "gloo":
+        return "gloo"
+    if choice == "nccl" and not cuda_available:
+        raise ConfigError("parallel.backend=nccl needs GPUs and this process sees none; set parallel.backend=auto "
+                          "(gloo on CPUs)")
     return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
 
 
-def build_mesh(parallel: ParallelConfig) -> Mesh:
-    """Initialise the process group (unless one exists) and the (pp, dp, tp) mesh."""
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+def device_index(env: Mapping[str, str], device_count: int, share: bool = False) -> int:
+    """This process's GPU on its machine: LOCAL_RANK plus DEVICE_OFFSET_ENV (which `lifecycle.launch` sets
+    for the second and later torchrun agents that emulate nodes on one machine). `share` (parallel.backend=
+    gloo): more processes than GPUs wrap around and share them; otherwise that is refused, as NCCL refuses
+    two ranks on one GPU."""
+    if "LOCAL_RANK" in env:
+        local_rank = int(env["LOCAL_RANK"])
+    elif "RANK" in env:  # a silent 0 would put every process of a machine on GPU 0
+        raise ConfigError("RANK is set but LOCAL_RANK is not: t5forge maps each process to GPU LOCAL_RANK of its "
+                          "machine; start the processes with torchrun (which sets both), or set LOCAL_RANK to this "
+                          "process's GPU index")
     else:
-        device = torch.device("cpu")
-    owns = False
-    if not dist.is_initialized():
-        backend = process_group_backend(use_cuda)
+        local_rank = 0  # one process started alone
+    offset = int(env.get(DEVICE_OFFSET_ENV, "0"))
+    index = local_rank + offset
+    if index < device_count:
+        return index
+    if share and device_count > 0:
+        return index % device_count
+    shifted = f" + {DEVICE_OFFSET_ENV}={offset}" if offset else ""
+    raise ConfigError(f"this process (LOCAL_RANK={local_rank}{shifted}) needs GPU {index}, but {device_count} "
+                      f"GPU(s) are visible and NCCL takes one GPU per process: start at most {device_count} "
+                      "processes per machine (torchrun --nproc-per-node), or set parallel.backend=gloo to let "
+                      "processes share GPUs (slow: for tests)")
+
+
+def compute_device(backend: str = "auto") -> torch.device:
+    """This process's compute device for parallel.backend=`backend`: its GPU (`device_index`), made the
+    current CUDA device, or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", device_index(os.environ, torch.cuda.device_count(), share=backend == "gloo"))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(parallel: ParallelConfig | None = None) -> tuple[torch.device, bool]:
+    """This process's device (`compute_device`) and the default process group, initialised for it unless one
+    exists: backend from parallel.backend, timeout parallel.timeout_minutes, and on NCCL bound to the device
+    (`device_id`: communicators formed now, subgroups split from them). Under torchrun (RANK set) the group
+    spans the job; otherwise a private one-rank group. Then (collective, at set-up) the group that bounds
+    waits on rank-0-only work (`rank_zero_work_group`). Returns (device, whether this call created the
+    default group)."""
+    parallel = parallel if parallel is not None else ParallelConfig()
+    device = compute_device(parallel.backend)
+    created = not dist.is_initialized()
+    if created:
+        backend = process_group_backend(device.type == "cuda", parallel.backend)
+        device_id = device if "nccl" in backend else None  # binding only changes anything under NCCL
+        timeout = timedelta(minutes=parallel.timeout_minutes)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:  # one process without torchrun: a private one-rank group
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        owns = True
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
+    prepare_rank_zero_work_group(parallel.rank0_work_timeout_minutes)
+    return device, created
+
+
+# {default group: the group over its ranks for waits on rank 0's work}; weak, so that both go with the
+# default group when it is destroyed.
+_rank_zero_work: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_rank_zero_work_group(timeout_minutes: float) -> None:
+    """Create (once per default group; collective over it, so at set-up on every rank) a gloo group over all
+    ranks whose timeout, `timeout_minutes`, bounds the waits of the other ranks while rank 0 alone works
+    (HF export, checksums, generation): the default group's timeout is meant for collectives that hang."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or rank_zero_work_group() is not None:
+        return
+    if dist.get_backend() == "fake":  # torch's stand-in group for dry runs: no real ranks to wait for
+        return
+    _rank_zero_work[dist.group.WORLD] = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+
+
+def rank_zero_work_group() -> dist.ProcessGroup | None:
+    """The group of `prepare_rank_zero_work_group` for the current default group (None: none prepared, as
+    when a test created the default group itself; the default group then serves)."""
+    return _rank_zero_work.get(dist.group.WORLD) if dist.is_initialized() else None
+
+
+def check_gloo_on_gpus(parallel: ParallelConfig) -> None:
+    """Refuse the layouts whose GPU collectives gloo cannot run (parallel.backend=gloo on GPUs)."""
+    if parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={parallel.pp} sends activations between stages, and gloo sends host tensors "
+                          "only (parallel.backend=gloo on GPUs): set parallel.backend=auto or parallel.pp=1")
+    if parallel.zero_stage > 0:
+        # On CUDA, ZeRO 1 all-gathers uneven sections and FSDP (ZeRO 2/3) reduce-scatters with averaging:
+        # gloo refuses the first and would sum instead of averaging in the second.
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage} needs collectives that gloo does not run on "
+                          "GPUs (parallel.backend=gloo): set parallel.zero_stage=0 or parallel.backend=auto")
+
+
+def build_mesh(parallel: ParallelConfig) -> Mesh:
+    """Initialise the process group (unless one exists: `init_distributed`) and the (pp, dp, tp) mesh."""
+    if parallel.backend == "gloo" and torch.cuda.is_available():
+        check_gloo_on_gpus(parallel)
+    device, owns = init_distributed(parallel)
     mesh = init_device_mesh(device.type, (parallel.pp, parallel.dp, parallel.tp), mesh_dim_names=MESH_DIMS)
     return Mesh(mesh=mesh, device=device, owns_process_group=owns)

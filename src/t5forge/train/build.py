@@ -24,7 +24,14 @@ from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_ge
 from t5forge.parallel.comm_model import Layout, check_covered
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.mesh import check_layout as check_parallel_layout  # the check of sizes alone
-from t5forge.parallel.parallelize import check_fits, materialize, materialize_from_hf, named_init_plan, parallelize_t5
+from t5forge.parallel.parallelize import (
+    check_fits,
+    free_device_memory,
+    materialize,
+    materialize_from_hf,
+    named_init_plan,
+    parallelize_t5,
+)
 from t5forge.parallel.pipeline import check_schedule, prune_to_stages, rank_stages, split_blocks, stage_specs
 from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint
 
@@ -121,7 +128,9 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     parts = summarize(config).training_gib(mixed_precision=run.precision.dtype != "fp32")
     over_dp = {"weights": p.zero_stage >= 3, "gradients": p.zero_stage >= 2, "optimizer": p.zero_stage >= 1}
     per_rank = sum(v / (p.dp if over_dp.get(k) else 1) for k, v in parts.items() if k != "total") / p.tp / p.pp
-    check_fits(per_rank * 2**30, mesh.device, f"model {run.model.preset or run.model.path}")
+    # Every rank's verdict reaches every rank (collective): one rank refusing alone would leave the others
+    # waiting in their next collective.
+    check_fits(per_rank * 2**30, free_device_memory(mesh.device), f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
     if run.train.fused_gelu:

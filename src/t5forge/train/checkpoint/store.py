@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from t5forge.errors import CheckpointError, T5ForgeError
 from t5forge.fileio import make_public
+from t5forge.parallel.mesh import rank_zero_work_group
 from t5forge.train.checkpoint.manifest import checkpoint_problems
 
 LATEST = "latest"
@@ -167,7 +168,9 @@ def raise_if_disk_full(error: BaseException, target: Path, needed: int) -> None:
 def on_rank_zero(decide: Callable[[], T]) -> T:
     """`decide()` called on rank 0 only, its (picklable) result returned on every rank. When it fails every
     rank raises: rank 0 its own error, the others the same t5forge error, or a CheckpointError naming any
-    other. Collective (one broadcast_object_list, which uses the current device); a plain call in one process."""
+    other. Collective: one broadcast_object_list on the gloo group of `rank_zero_work_group`, whose timeout
+    (parallel.rank0_work_timeout_minutes) bounds the others' wait for `decide`, not the default group's
+    (the default group when none was prepared); a plain call in one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return decide()
     box: list = [None, None]  # result, error for the other ranks
@@ -178,7 +181,7 @@ def on_rank_zero(decide: Callable[[], T]) -> T:
         except BaseException as e:  # DCP's CheckpointException and KeyboardInterrupt too: the others must hear
             error = e
             box[1] = e if isinstance(e, T5ForgeError) else CheckpointError(f"rank 0 failed: {type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=rank_zero_work_group())
     if error is not None:
         raise error
     if box[1] is not None:
