@@ -170,7 +170,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          steps=args.steps, baseline=args.baseline, command=command, profile=args.profile,
                          overrides=[item for item in args.names if "=" in item])
     print((Path(args.output_dir) / "named.md").read_text())
-    print(f"wrote {args.output_dir}/named.json, named.md and named.png")
+    written = ["named.json", "named.md"] + (["named.png"] if (Path(args.output_dir) / "named.png").is_file() else [])
+    print(f"wrote {args.output_dir}/{', '.join(written)}")
     return 0
 
 

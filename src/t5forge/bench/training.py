@@ -360,12 +360,11 @@ def memory_child(name: str, side: str, config: str, work: str, out: str, *overri
     else:  # transformers' model of the same shape (random weights: memory does not depend on them)
         from t5forge.config import batch_arithmetic
         from t5forge.models.t5 import T5ForConditionalGeneration
+        from t5forge.parallel.mesh import compute_device, init_distributed
         from t5forge.train.build import build_model_config
 
         run = _run_config(bench, Path(config), Path(work))
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if bench.processes > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        device = init_distributed(run.parallel)[0] if bench.processes > 1 else compute_device(run.parallel.backend)
         model = hf_model_like(T5ForConditionalGeneration(build_model_config(run)), device)
         step = HFStep(model, run, device, data_parallel=bench.processes > 1)
         vocab = model.config.vocab_size  # (the ids do not change the memory)
@@ -486,7 +485,14 @@ def render_markdown(r: dict) -> str:
 
 
 def _plot(r: dict, path: Path) -> None:
-    """Samples/s per name and implementation, as a bar chart (matplotlib's object API: no global state)."""
+    """Samples/s per name and implementation, as a bar chart (matplotlib's object API: no global state); one
+    line instead without matplotlib (optional: the JSON and Markdown reports hold the numbers)."""
+    from t5forge.train.metrics import matplotlib_missing
+
+    missing = matplotlib_missing()
+    if missing:
+        print(f"{path.name}: skipped, {missing}")
+        return
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from t5forge.train.metrics import MetricsWriter, StepMetrics, peak_flops, peak_memory_mib, plot_loss_curve
+from t5forge.train.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    matplotlib_missing,
+    peak_flops,
+    peak_memory_mib,
+    plot_loss_curve,
+)
 
 
 @dataclass
@@ -194,7 +201,7 @@ class CheckpointHook(Hook):
 
 class PlotHook(Hook):
     """Last: closes the metrics writer (also when the run fails) and, on rank 0 (`enabled`), plots the loss
-    curve of what was logged to `output`."""
+    curve of what was logged to `output` (one line instead without matplotlib)."""
 
     def __init__(self, writer: MetricsWriter, output: Path, enabled: bool, echo):
         self.writer, self.output, self.enabled, self.echo = writer, output, enabled, echo
@@ -202,6 +209,10 @@ class PlotHook(Hook):
     def after_train(self) -> None:
         self.writer.close()
         if not self.enabled:
+            return
+        missing = matplotlib_missing()
+        if missing:
+            self.echo(f"loss curve: skipped, {missing}")
             return
         png = plot_loss_curve(self.writer.path, self.output)
         if png is not None:

@@ -4,6 +4,7 @@ that report them (console line, metrics.jsonl, TensorBoard, loss-curve PNG).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -175,8 +176,19 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def matplotlib_missing() -> str | None:
+    """None when matplotlib imports; else why not, for the one line a skipped plot prints. Plots are optional:
+    the GPU machine's image lacks matplotlib, and nothing else needs it."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    return None
+
+
 def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
-    """Train and valid loss against iteration, as a PNG. None when there is nothing to plot."""
+    """Train and valid loss against iteration, as a PNG. None when there is nothing to plot. Needs matplotlib
+    (`matplotlib_missing`)."""
     records = read_metrics(metrics_path)
     train = [(r["iteration"], r["loss"]) for r in records if "loss" in r]
     valid = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
