@@ -13,7 +13,7 @@ from test_trainer import run_config
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import process_group_backend
-from t5forge.parallel.parallelize import check_fits
+from t5forge.parallel.parallelize import check_fits, free_device_memory
 from t5forge.train.trainer import Trainer, default_hooks, train
 
 
@@ -72,10 +72,18 @@ def test_resume_accepts_another_layout_and_refuses_another_optimiser(tmp_path, d
 
 
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    # The driver reports 8 GiB free; this process's allocator caches 3 GiB more, of which 1 GiB is in use.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
-    with pytest.raises(ConfigError, match=r"needs 12.0 GiB per GPU .* but 8.0 GiB are free; raise parallel.zero_stage"):
-        check_fits(12 * 2**30, torch.device("cuda", 0), "model mt5-xl")
-    check_fits(12 * 2**30, torch.device("cpu"), "model mt5-xl")  # no prediction for host memory
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * 2**30)
+    free = free_device_memory(torch.device("cuda", 0))
+    assert free == 10 * 2**30
+    with pytest.raises(ConfigError, match=r"needs 12.0 GiB per GPU .* but rank 0's GPU has 10.0 GiB free; raise "
+                                          r"parallel.zero_stage"):
+        check_fits(12 * 2**30, free, "model mt5-xl")
+    check_fits(9 * 2**30, free, "model mt5-xl")  # fits only with the cached blocks counted
+    assert free_device_memory(torch.device("cpu")) is None
+    check_fits(12 * 2**30, None, "model mt5-xl")  # no prediction for host memory
 
 
 def test_compile_without_a_compiler_is_refused(tmp_path, dataset_prefix, tokenizer_dir, monkeypatch):
@@ -96,17 +104,42 @@ def test_compiled_blocks_keep_hf_parameter_names():
     assert [name for name, _ in model.named_parameters()] == names  # no "_orig_mod." in exports or checkpoints
 
 
-def test_compiled_blocks_train_like_eager(tmp_path, dataset_prefix, tokenizer_dir):
+def test_compiled_blocks_train_and_evaluate_like_eager_without_falling_back(tmp_path, dataset_prefix,
+                                                                            tokenizer_dir):
+    from t5forge.parallel.parallelize import compile_counters
+
     args = ("train.max_steps=3", "model.dropout_rate=0")
-    eager = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, name="eager"), echo=lambda *_: None,
+    eager_lines, lines = [], []
+    eager = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, name="eager"), echo=eager_lines.append,
                   tensorboard=False)
-    lines = []
+    before = compile_counters()
     compiled = train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *args, "train.compile=true", name="compiled"),
                      echo=lines.append, tensorboard=False)
+    done = {key: n - before[key] for key, n in compile_counters().items()}
     assert compiled.state.losses == pytest.approx(eager.state.losses, rel=1e-5)
+    validation = [[line for line in out if line.startswith("validation at")] for out in (eager_lines, lines)]
+    assert validation[1] and validation[1] == validation[0]  # the evaluation after the last step, compiled too
     assert any(line.startswith("first step (torch.compile included):") for line in lines)
+    # Three block variants (encoder's first, with the position bias, and the rest; the decoder's one block),
+    # each compiled once for training and once for evaluation: no recompile for the decoder's other length,
+    # none of them run eager for having reached dynamo's recompile limit, and no graph breaks.
+    assert done == {"frames": 6, "recompiles": 3, "graph_breaks": 0, "recompile_limit_hits": 0}
+    assert not any(line.startswith("warning: torch.compile") for line in lines)
 
 
+def test_a_graph_break_is_reported_instead_of_silently_splitting_the_graph():
+    from t5forge.parallel.parallelize import compile_counters, compile_warning
+
+    def breaks(x):
+        y = x + 1
+        torch._dynamo.graph_break()
+        return y * 2
+
+    before = compile_counters()
+    assert compile_warning(before) is None
+    torch.compile(breaks, backend="eager")(torch.ones(2))
+    assert compile_counters()["graph_breaks"] == before["graph_breaks"] + 1
+    assert "broke graphs 1 time(s)" in compile_warning(before)
 
 
 def test_a_failing_run_tells_every_hook_and_closes_the_metrics_writer(tmp_path, dataset_prefix, tokenizer_dir):

@@ -12,7 +12,13 @@ ZeRO 0/1 reduce gradients through hooks on the parameters, which must exist firs
 
 from __future__ import annotations
 
+import contextlib
+import re
+import types
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -31,13 +37,71 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 def apply_compile(model: T5ForConditionalGeneration) -> T5ForConditionalGeneration:
     """torch.compile every encoder and decoder block (TorchTitan's per-block compile: small graphs that
-    compile once and are reused by every layer of the same shape). `Module.compile` compiles in place:
-    wrapping in torch.compile's module would add `_orig_mod.` to every parameter name, and HF export,
-    checkpoints and the init plan go by name."""
+    compile once and are reused by every layer of the same shape); returns `model`, compiled lazily.
+
+    The block's `forward` is compiled, not the module: its hooks (FSDP2's gathers, added after compile)
+    stay in eager `Module.__call__`, outside the graph, and no `_orig_mod.` enters the parameter names that
+    HF export, checkpoints and the init plan go by. Dynamo keeps compiled entries, and counts them against
+    `recompile_limit` (8), per code object; every block runs the one `forward`, but T5 has four block
+    variants (encoder/decoder x the first, which computes the position bias, / the rest), each compiled
+    for training and for evaluation, static then dynamic in length, and for generation's cache: past 8,
+    dynamo silently runs eager. So each variant compiles a copy of `forward` under a code object of its
+    own: its own entries and limit, and its own shape history (the encoder's length does not make
+    the decoder's training graph dynamic). `compile_counters` tells whether that held."""
+    compiled = {}
     for stack in stacks(model):
         for _, block in named_blocks(stack):
-            block.compile()
+            t5_block = getattr(block, "_checkpoint_wrapped_module", block)  # under apply_ac's wrapper
+            variant = "decoder_block" if stack.is_decoder else "encoder_block"
+            if t5_block.layer[0].SelfAttention.has_relative_attention_bias:
+                variant += "_with_position_bias"
+            key = (type(block), variant)
+            if key not in compiled:
+                compiled[key] = torch.compile(_code_of_its_own(type(block).forward, variant))
+            block.forward = types.MethodType(compiled[key], block)
     return model
+
+
+def _code_of_its_own(function: Callable, name: str) -> Callable:
+    """A copy of `function` with a code object of its own (dynamo's cache key), named `name` in its logs."""
+    copy = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__, name,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def compile_counters() -> dict[str, int]:
+    """What torch.compile did in this process so far: {"frames": frames compiled (recompiles included),
+    "recompiles": of those, recompiles (among the last 64 compilations dynamo keeps metrics of),
+    "graph_breaks", "recompile_limit_hits": code objects that reached dynamo's limit and run eager from
+    then on for inputs that match no entry}. Read from dynamo's counters; 0 for what a torch lacks."""
+    result = {"frames": 0, "recompiles": 0, "graph_breaks": 0, "recompile_limit_hits": 0}
+    try:
+        from torch._dynamo.utils import counters, get_compilation_metrics
+    except ImportError:
+        return result
+    with contextlib.suppress(Exception):
+        result["frames"] = int(counters["frames"]["ok"])
+        result["graph_breaks"] = int(sum(counters["graph_break"].values()))
+        # The message is "recompile_limit reached" (torch 2.8), "Dynamo recompile limit exceeded" (2.13),
+        # "cache_size_limit" in older torch.
+        result["recompile_limit_hits"] = int(sum(n for reason, n in counters["unimplemented"].items()
+                                                 if re.search(r"(recompile|cache)[ _](size[ _])?limit", reason)))
+    with contextlib.suppress(Exception):
+        result["recompiles"] = sum(1 for m in get_compilation_metrics()
+                                   if getattr(m, "recompile_reason", None) and not getattr(m, "fail_type", None))
+    return result
+
+
+def compile_warning(since: dict[str, int]) -> str | None:
+    """A line saying what made compiled blocks run eager or in pieces since `since` (compile_counters());
+    None when nothing did."""
+    now = compile_counters()
+    hits, breaks = (now[k] - since.get(k, 0) for k in ("recompile_limit_hits", "graph_breaks"))
+    if hits <= 0 and breaks <= 0:
+        return None
+    return (f"warning: torch.compile hit dynamo's recompile limit {hits} time(s) (those blocks then run eager) "
+            f"and broke graphs {breaks} time(s); TORCH_LOGS=recompiles,graph_breaks says where")
 
 
 def parallelize_t5(model: T5ForConditionalGeneration, mesh: Mesh, parallel: ParallelConfig,
@@ -118,15 +182,35 @@ def materialize_from_hf(model: T5ForConditionalGeneration, reader: HFTensorReade
     return model
 
 
-def check_fits(model_bytes_per_rank: float, device: torch.device, what: str) -> None:
-    """Refuse, before loading, a model whose per-rank state cannot fit into this GPU's memory."""
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes this process can still allocate on `device`: the GPU's free memory plus the blocks torch's
+    caching allocator holds for this process unused (mem_get_info counts them as taken); None off CUDA (no
+    prediction for host memory)."""
     if device.type != "cuda":
-        return
+        return None
     free, _ = torch.cuda.mem_get_info(device)
-    if model_bytes_per_rank > free:
-        raise ConfigError(f"{what} needs {model_bytes_per_rank / 2**30:.1f} GiB per GPU for weights, gradients and "
-                          f"optimizer state, but {free / 2**30:.1f} GiB are free; raise parallel.zero_stage, tp or "
-                          "dp (or use a smaller model)")
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_fits(model_bytes_per_rank: float, free_bytes: int | None, what: str) -> None:
+    """Refuse, before loading, a model whose per-rank state (bytes) exceeds `free_bytes` (free_device_memory;
+    None: no prediction). With a process group, collective over all ranks, at set-up: every rank's verdict is
+    gathered (a host read), and if any rank does not fit, every rank raises the same ConfigError naming it,
+    instead of one rank leaving the others waiting in their next collective until the timeout."""
+    mine = torch.tensor([model_bytes_per_rank, -1.0 if free_bytes is None else free_bytes], dtype=torch.float64)
+    verdicts = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # A host tensor: the default group carries it through gloo, whatever serves the GPU.
+        verdicts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(verdicts, mine)
+    short = [(rank, need, free) for rank, (need, free) in enumerate(v.tolist() for v in verdicts)
+             if free >= 0 and need > free]
+    if short:
+        rank, need, free = short[0]
+        where = f"rank {rank}'s GPU has {free / 2**30:.1f} GiB free" + (
+            f" (and {len(short) - 1} more rank(s) fall short)" if len(short) > 1 else "")
+        raise ConfigError(f"{what} needs {need / 2**30:.1f} GiB per GPU for weights, gradients and optimizer state, "
+                          f"but {where}; raise parallel.zero_stage, tp or dp (or use a smaller model)")
 
 
 def unwrap_name(name: str) -> str:
@@ -134,11 +218,61 @@ def unwrap_name(name: str) -> str:
     return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
 
 
-def full_parameters(model: nn.Module):
+def full_parameters(model: nn.Module, dst: int | None = None):
     """(HF name, full tensor on the CPU) one parameter at a time, gathered from any layout; every rank of
     the model's meshes must iterate together (each gather is a collective). A tied head comes once, as
-    shared.weight (named_parameters lists a shared parameter once)."""
+    shared.weight (named_parameters lists a shared parameter once). With `dst` (a global rank), only dst
+    gets the tensors, other ranks None: each distinct shard is sent to dst once, nothing is all-gathered,
+    and a rank whose meshes do not include dst (a replica) sends nothing."""
     for name, param in model.named_parameters():
         tensor = param.detach()
-        yield unwrap_name(name), (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+        if dst is not None:
+            yield unwrap_name(name), _gather_to(tensor, dst)
+        else:
+            yield unwrap_name(name), (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+
+
+def _gather_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """`tensor` in full on the CPU of global rank `dst`, None on other ranks (collective over its mesh)."""
+    import itertools
+    import math
+
+    # Private, as compute_local_shape_and_global_offset above: the region of any mesh coordinate, not only ours.
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not isinstance(tensor, DTensor):
+        return tensor.cpu() if rank == dst else None
+    if any(p.is_partial() for p in tensor.placements):
+        raise NotImplementedError(f"gathering a parameter with partial placements {tensor.placements}")
+    ranks = tensor.device_mesh.mesh
+    if not bool((ranks == dst).any()):
+        return None
+    # The first rank (in mesh order) that holds each non-empty region sends it; replicas of it stay silent.
+    owners: dict[tuple[tuple[int, int], ...], int] = {}  # ((start, stop) per dim): slices hash from 3.12 only
+    for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
+        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, tuple(ranks.shape), list(coordinate),
+                                                               tensor.placements)
+        if math.prod(shape) > 0:
+            owners.setdefault(tuple((o, o + n) for o, n in zip(offset, shape)), int(ranks[coordinate]))
+    local = tensor.to_local()
+    if rank != dst:
+        if rank in owners.values():
+            dist.send(local.contiguous(), dst=dst)
+        return None
+    full = torch.empty(tensor.shape, dtype=tensor.dtype)
+    received, ops = [], []
+    for bounds, owner in owners.items():
+        region = tuple(slice(*b) for b in bounds)
+        if owner == dst:
+            full[region] = local.cpu()
+        else:
+            buffer = torch.empty([s.stop - s.start for s in region], dtype=tensor.dtype, device=local.device)
+            received.append((region, buffer))
+            ops.append(dist.P2POp(dist.irecv, buffer, owner))
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    for region, buffer in received:  # one shard at a time to the CPU: dst's device holds the shards once
+        full[region] = buffer.cpu()
+    return full
 

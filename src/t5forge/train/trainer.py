@@ -44,7 +44,7 @@ from t5forge.parallel.comm_model import Shapes, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
-from t5forge.parallel.parallelize import COMPUTE_DTYPES, unwrap_name
+from t5forge.parallel.parallelize import COMPUTE_DTYPES, compile_counters, compile_warning, unwrap_name
 from t5forge.parallel.pipeline import Pipeline, describe_split
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.train import checkpoint as ckpt
@@ -400,6 +400,7 @@ class Trainer:
         return self.state
 
     def loop(self, hooks: list[Hook]) -> None:
+        compiled_before = compile_counters() if self.options.compile else None
         for hook in hooks:
             hook.before_train()
         # Each dp rank reads only its slice of every global batch (see data/loader.py).
@@ -436,6 +437,8 @@ class Trainer:
         self.read_losses()
         for hook in hooks:
             hook.after_train()
+        if compiled_before is not None and (warning := compile_warning(compiled_before)):
+            self.echo(warning)  # dynamo falls back to eager silently: say so once, after the last evaluation
 
 
 def default_hooks(trainer: Trainer, tensorboard: bool = True,
