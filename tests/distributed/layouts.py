@@ -7,9 +7,10 @@ CASE is NAME=override;override;... with config overrides, plus test-only words: 
 after step K, as a killed job would), `fail_on_rank=R` (rank R raises before training, to see that the
 job comes down instead of hanging), `initial_only=1` (no training: the weights as built) and `audit=1`
 (record the device of every tensor handed to a collective and the host reads of every step) and
-`inject_collective=1` (a redundant collective in every forward pass, for the communication audit). Rank 0
-writes OUT/NAME.json (losses, and the audit of every rank) and OUT/NAME.safetensors (the full weights,
-gathered from the layout)."""
+`inject_collective=1` (a redundant collective in every forward pass, for the communication audit) and
+`eval_reference=1` (after training, the validation loss and accuracy as the trainer evaluates them, and
+from the gathered full logits). Rank 0 writes OUT/NAME.json (losses, and the audit of every rank, and the
+evaluations) and OUT/NAME.safetensors (the full weights, gathered from the layout to rank 0)."""
 
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from t5forge.config import load_config
+from t5forge.data.loader import collate
+from t5forge.parallel.parallelize import full_parameters
 from t5forge.parallel.pipeline import FullParameters
 from t5forge.train.finetune import generation_eval_hooks
+from t5forge.train.forward import model_inputs
 from t5forge.train.hooks import Hook
 from t5forge.train.trainer import Trainer, default_hooks
 
@@ -118,11 +119,31 @@ def inject_redundant_collective(trainer: Trainer) -> None:
     trainer.model.encoder.register_forward_hook(hook)
 
 
+@torch.no_grad()
+def full_logits_evaluation(trainer: Trainer, count: int) -> dict:
+    """Loss per token and accuracy of the first `count` validation samples from the full logits (gathered
+    from the vocabulary shards), as a reference for the trainer's evaluation."""
+    samples = [trainer.data.valid[i] for i in range(count)]
+    loss = tokens = correct = 0.0
+    trainer.model.eval()
+    for start in range(0, len(samples), 4):
+        batch = collate(samples[start:start + 4])
+        logits = trainer.model(**model_inputs(trainer.model, batch)).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        labels = batch["labels"]
+        loss += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                reduction="sum").item()
+        tokens += (labels != -100).sum().item()
+        correct += ((logits.argmax(-1) == labels) & (labels != -100)).sum().item()
+    trainer.model.train()
+    return {"loss": loss / tokens, "accuracy": correct / tokens, "tokens": tokens}
+
+
 def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     name, _, extra = case.partition("=")
     words = [o for o in extra.split(";") if o]
-    special = dict(w.split("=") for w in words
-                   if w.split("=")[0] in ("stop_after", "fail_on_rank", "initial_only", "audit", "inject_collective"))
+    special_words = ("stop_after", "fail_on_rank", "initial_only", "audit", "inject_collective", "eval_reference")
+    special = dict(w.split("=") for w in words if w.split("=")[0] in special_words)
     overrides = base_overrides(data, tokenizer, str(out / name)) + [w for w in words if w.split("=")[0] not in special]
     if "fail_on_rank" in special and dist.get_rank() == int(special["fail_on_rank"]):
         raise RuntimeError(f"rank {dist.get_rank()} fails on purpose")
@@ -148,12 +169,17 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
         pass
     audits = [None] * dist.get_world_size()
     dist.all_gather_object(audits, audit)
+    evaluations = {}
+    if "eval_reference" in special:
+        evaluated = trainer.validate()
+        evaluations = {"evaluate": evaluated, "full_logits": full_logits_evaluation(trainer, evaluated["samples"])}
     if trainer.pipeline is not None:  # each pipeline rank holds its stages: gathered on rank 0
         state = dict(FullParameters(trainer.model, trainer.mesh).tensors())
     else:
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = dict(full_parameters(trainer.model, dst=0))
     if trainer.mesh.is_main:
-        (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses, "audits": audits}))
+        (out / f"{name}.json").write_text(json.dumps({"losses": trainer.state.losses, "audits": audits,
+                                                      **evaluations}))
         tied = trainer.model_config.tie_word_embeddings
         save_file({k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")},
                   out / f"{name}.safetensors")

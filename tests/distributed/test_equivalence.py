@@ -38,9 +38,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 CHECKPOINT = "save/checkpoints/step_00000003"
 FROM_HF = "model.preset=null;model.path=OUT/hf_reference"
 AUDIT = "train.comm_audit=true"  # the second step's collectives, compared with the analytic model
+EVAL = "eval_reference=1;train.eval_samples=16"  # the trainer's evaluation and one from the full logits
 FOUR_RANKS = {  # run as two "nodes" of two processes each
     "dp2_tp2": f"parallel.dp=2;parallel.tp=2;{AUDIT}",
-    "dp2_tp2_zero3": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;{AUDIT}",
+    "dp2_tp2_zero3": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;{AUDIT};{EVAL}",
     "dp2_tp2_zero1_sp_audited": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;"
                                 f"{AUDIT}",
     "dp2_tp2_zero1_sp": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;parallel.sequence_parallel=true;audit=1;"
@@ -62,8 +63,8 @@ TWO_RANKS = {
     "dp2_zero2": f"parallel.dp=2;parallel.zero_stage=2;train.micro_batch_size=2;{AUDIT}",
     "dp2_zero3": f"parallel.dp=2;parallel.zero_stage=3;train.micro_batch_size=2;{AUDIT}",
     "dp2_accumulate": f"parallel.dp=2;train.micro_batch_size=2;{AUDIT}",
-    "tp2": f"parallel.tp=2;{AUDIT}",
-    "tp2_sp": f"parallel.tp=2;parallel.sequence_parallel=true;{AUDIT}",
+    "tp2": f"parallel.tp=2;{AUDIT};{EVAL}",
+    "tp2_sp": f"parallel.tp=2;parallel.sequence_parallel=true;{AUDIT};{EVAL}",
     # Mixed precision changes the dtype of some tensor-parallel collectives (audited only: not fp32 numerics).
     "audit_tp2_fp16": f"parallel.tp=2;precision.dtype=fp16;{AUDIT}",
     "audit_tp2_sp_bf16_ac_full": "parallel.tp=2;parallel.sequence_parallel=true;precision.dtype=bf16;"
@@ -215,6 +216,18 @@ def test_finetuning_trains_and_generates_like_one_process(layout, results):
     best = json.loads((out / layout / "best" / "best.json").read_text())
     assert best["metric"] == "token_f1" and best["iteration"] in iterations
     assert (out / layout / "best" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("layout", [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if EVAL in spec])
+def test_evaluation_of_a_vocab_parallel_head_equals_the_full_logits(layout, results):
+    """Evaluation reduces each vocabulary shard's logits, chunk by chunk, to four numbers per token and never
+    gathers the logits: the same loss per token and accuracy as the gathered full logits."""
+    out, _ = results
+    result = json.loads((out / f"{layout}.json").read_text())
+    evaluated, reference = result["evaluate"], result["full_logits"]
+    assert evaluated["tokens"] == reference["tokens"] > 0
+    assert evaluated["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert evaluated["accuracy"] == reference["accuracy"]
 
 
 @pytest.mark.parametrize("layout", ["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"])

@@ -1,14 +1,27 @@
 """The LM head fused with the cross-entropy (models/loss.py) against F.linear + F.cross_entropy, per element:
 the summed loss and the gradients of the hidden states and of the head, across chunk boundaries, with
-ignored labels, under bf16 autocast and without autograd."""
+ignored labels, under bf16 autocast and without autograd; the head's gradient held once, not copied;
+evaluation's loss and argmax accuracy from chunks and from vocabulary shards; the chunk size per device."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from t5forge.models.loss import linear_cross_entropy_sum
+from t5forge.models import loss as loss_module
+from t5forge.models.loss import (
+    CHUNK_LOGITS,
+    chunk_logits_for,
+    linear_cross_entropy_sum,
+    loss_and_correct_of_shards,
+    token_loss_and_correct,
+    vocab_shard_statistics,
+)
 
 
 def reference(hidden, weight, labels):
@@ -78,3 +91,124 @@ def test_model_refuses_to_drop_the_logits_without_labels():
     ids = torch.randint(2, 64, (2, 5))
     with pytest.raises(ValueError, match="return_logits=False returns only the loss: pass labels"):
         model(input_ids=ids, decoder_input_ids=ids, return_logits=False)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors of `numel` elements that ops create while active (each storage once, views
+    included), now and at their peak after any op; tensors that existed before (`ignore`d) are not counted."""
+
+    def __init__(self, numel: int, ignore: torch.Tensor):
+        super().__init__()
+        self.numel, self.ignore, self.refs, self.peak = numel, ignore.untyped_storage().data_ptr(), {}, 0
+
+    def now(self) -> int:
+        self.refs = {ptr: ref for ptr, ref in self.refs.items() if ref() is not None}
+        return sum(ref().untyped_storage().nbytes() for ref in self.refs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() != self.ignore:
+                self.refs.setdefault(t.untyped_storage().data_ptr(), weakref.ref(t))
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+def head_sized_allocation_peak(run, weight: torch.Tensor) -> float:
+    """Peak bytes newly allocated by `run()` (the CPU allocator's events, C++ ones included) in tensors of the
+    head's size (fp32 or 16-bit) or of the 1/16 blocks the in-place scaling uses, in units of the fp32 head."""
+    unit = weight.numel() * 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        run()
+    events = sorted((e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        if abs(event.nbytes()) in (unit, unit // 2, unit // 16):
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak / unit
+
+
+# (autocast, tokens per chunk) -> head-sized bytes alive after the forward pass and newly allocated at the
+# backward pass's peak, in units of the fp32 [vocab, d_model] gradient. Before, the backward pass allocated a
+# scaled fp32 copy of the accumulator (one unit more in every case), and one chunk under bf16 kept 1 in flight.
+@pytest.mark.parametrize("autocast,chunk_tokens,in_flight,backward_peak", [
+    (False, 7, 1.0, 0.0), (False, 1000, 1.0, 0.0),  # the accumulator, scaled in place, becomes weight.grad
+    (True, 7, 1.0, 1.5),  # its bf16 rounding (the autocast weight's dtype), then fp32 for the master weight
+    (True, 1000, 0.5, 1.0),  # one chunk: its bf16 product is exact, scaled in fp32 1/16 at a time, then fp32
+])
+def test_the_head_gradient_exists_once_per_micro_batch_and_is_not_copied(autocast, chunk_tokens, in_flight,
+                                                                         backward_peak):
+    hidden, weight, labels = inputs(seed=3, vocab=512, d=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected_grads = grads(reference(hidden, weight, labels), hidden, weight)
+    hidden.grad = weight.grad = None
+    with LiveBytes(weight.numel(), ignore=weight) as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = linear_cross_entropy_sum(hidden, weight, labels, chunk_logits=chunk_tokens * weight.shape[0])
+        assert live.now() / (weight.numel() * 4) == in_flight
+    assert head_sized_allocation_peak(lambda: (loss * 0.7).backward(), weight) == backward_peak
+    assert weight.grad.dtype == torch.float32
+    torch.testing.assert_close(weight.grad, expected_grads[1], rtol=2e-2 if autocast else 1e-5,
+                               atol=2e-3 if autocast else 1e-6)
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss = linear_cross_entropy_sum(hidden, weight, labels)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+def full_logits_reference(hidden, weight, labels):
+    logits = F.linear(hidden, weight)
+    valid = labels != -100
+    return reference(hidden, weight, labels), ((logits.argmax(-1) == labels) & valid).sum()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
+def test_evaluation_head_gives_the_loss_and_accuracy_of_the_full_logits(chunk_tokens, autocast):
+    hidden, weight, labels = inputs(seed=4)
+    weight.data[:, 0] += 5.0  # hidden[..., 0] > 0 predicts well: accuracy near one half, not near zero
+    labels = torch.where(labels == -100, labels, F.linear(hidden, weight).argmax(-1) * (hidden[..., 0] > 0)
+                         + labels * (hidden[..., 0] <= 0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, correct = token_loss_and_correct(hidden, weight, labels, chunk_logits=chunk_tokens * weight.shape[0])
+        expected_loss, expected_correct = full_logits_reference(hidden, weight, labels)
+    assert 5 < correct.item() < 30
+    assert correct.item() == expected_correct.item()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-5)
+
+
+def test_vocabulary_shards_give_what_the_whole_head_gives_ties_to_the_lowest_index():
+    """As under tensor parallelism: each shard of the head's rows reduces its logits to four numbers per
+    token; combined, they are the full head's loss and argmax (a tie across shards: the first row wins)."""
+    hidden, weight, labels = inputs(seed=5, vocab=300)
+    with torch.no_grad():
+        weight[250] = weight[40] = hidden[0, 0] * 100  # token (0, 0) predicts rows 40 and 250, equally
+        labels[0, 0] = 40
+        expected_loss, expected_correct = full_logits_reference(hidden, weight, labels)
+        for bounds in ((0, 150, 300), (0, 100, 200, 300), (0, 1, 299, 300)):
+            stats = torch.stack([vocab_shard_statistics(hidden, weight[a:b], labels, vocab_start=a,
+                                                        chunk_logits=5 * (b - a)) for a, b in zip(bounds, bounds[1:])])
+            loss, correct = loss_and_correct_of_shards(stats, labels)
+            assert correct.item() == expected_correct.item(), bounds
+            torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-5)
+        labels[0, 0] = 250  # the tie goes to 40: wrong
+        assert loss_and_correct_of_shards(stats, labels)[1] == correct - 1
+
+
+def test_chunks_are_sized_for_the_device(monkeypatch):
+    assert chunk_logits_for(torch.device("cpu")) == CHUNK_LOGITS == 1 << 23  # tuned on a 2-core CPU
+
+    class Properties:
+        total_memory = 141 * 10**9  # an H200
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    # 1 GiB of fp32 logits per chunk: 1073 tokens of mT5 (250,112 words), 3 GiB with its transients.
+    assert chunk_logits_for(torch.device("cuda", 0)) == 1 << 28
+    assert (1 << 28) // 250112 == 1073
+    Properties.total_memory = 16 * 2**30  # 1/16 of a 16 GiB GPU, 12 bytes per logit
+    assert chunk_logits_for(torch.device("cuda", 0)) == 2**30 // 12
+    Properties.total_memory = 2**30  # never below the CPU's chunk
+    assert chunk_logits_for(torch.device("cuda", 0)) == CHUNK_LOGITS
+    assert loss_module.BYTES_PER_LOGIT * loss_module.CHUNK_MEMORY_SHARE == 192

@@ -153,6 +153,35 @@ def test_run_directory_holds_metrics_checkpoints_curve_and_an_hf_export(tmp_path
     assert result["checkpoint"].endswith("step_00000006")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_evaluation_gives_the_loss_and_accuracy_of_the_full_logits(precision, tmp_path, dataset_prefix,
+                                                                   tokenizer_dir, monkeypatch):
+    """Evaluated chunk by chunk through the head (7 tokens per chunk here), never the batch's logits: the loss
+    per token and the argmax accuracy that cross-entropy and argmax of the full logits give."""
+    import torch.nn.functional as F
+
+    from t5forge.models import loss as loss_module
+    from t5forge.train.forward import model_inputs
+
+    run = run_config(tmp_path, dataset_prefix, tokenizer_dir, f"precision.dtype={precision}")
+    with Trainer(run, echo=lambda *_: None) as trainer:  # untrained: argmax ties and hits are tested in test_loss
+        model, valid = trainer.model, trainer.data.valid
+        monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 7 * model.config.vocab_size)
+        result = trainer.validate()
+    model.eval()
+    loss = tokens = correct = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        for start in range(0, result["samples"], 4):
+            batch = collate([valid[i] for i in range(start, start + 4)])
+            logits, labels = model(**model_inputs(model, batch)).logits, batch["labels"]
+            loss += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
+            tokens += (labels != -100).sum().item()
+            correct += ((logits.argmax(-1) == labels) & (labels != -100)).sum().item()
+    assert result["tokens"] == tokens
+    assert result["loss"] == pytest.approx(loss / tokens, rel=1e-6)
+    assert result["accuracy"] == correct / tokens
+
+
 def test_config_errors_name_the_key(tmp_path, dataset_prefix, tokenizer_dir):
     with pytest.raises(ConfigError, match="did you mean train.micro_batch_size"):
         run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.micro_bach_size=3")

@@ -2,11 +2,16 @@
 
 `linear_cross_entropy_sum(hidden, weight, labels)` equals
 `F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=-100, reduction="sum")` up to float
-rounding. It walks the tokens in chunks of about `CHUNK_LOGITS` logits: per chunk, the logits (computed in
-the input dtype, then fp32 as HF does), the log-sum-exp, the loss, and at once the gradients of the hidden
-states and of the head (softmax minus one-hot, times each side). The backward pass then only scales the
-saved gradients by the incoming one: the fp32 logits, their log-softmax and its gradient, [tokens, vocab]
-each, never exist for the whole batch (for mT5's 250k vocabulary they dwarf every activation).
+rounding. It walks the tokens in chunks of about `chunk_logits_for(device)` logits: per chunk, the logits
+(computed in the input dtype, then fp32 as HF does), the log-sum-exp, the loss, and at once the gradients of
+the hidden states and of the head (softmax minus one-hot, times each side). The backward pass then only
+scales the saved gradients by the incoming one, in place, and hands them to autograd: the fp32 logits, their
+log-softmax and its gradient, [tokens, vocab] each, never exist for the whole batch (for mT5's 250k
+vocabulary they dwarf every activation), and the head's gradient exists once per micro-batch in flight.
+
+`token_loss_and_correct` is evaluation's counterpart (no gradients): the summed loss and the number of
+correct argmax predictions, chunk by chunk, from one shard of the vocabulary or all of it; with a
+vocabulary split over tensor-parallel ranks only four numbers per token cross between them.
 
 Written by hand: PyTorch has no fused linear + cross-entropy op (Liger Kernel and Apple's Cut Cross-Entropy
 are GPU-only Triton kernels); this one is plain matmuls and works on every device.
@@ -15,6 +20,7 @@ are GPU-only Triton kernels); this one is plain matmuls and works on every devic
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
@@ -26,59 +32,170 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     computed without gathering."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-# Logits per chunk (32 MiB in fp32): 261 tokens at a 32128-word vocabulary, where a 2-core CPU's matmul is
-# fastest (48 ms per 456-token head instead of 58 ms for one [456, 32128] product); 33 tokens at mT5's.
+
+
+# Logits per chunk on a CPU (32 MiB in fp32): 261 tokens at a 32128-word vocabulary, where a 2-core CPU's
+# matmul is fastest (48 ms per 456-token head instead of 58 ms for one [456, 32128] product).
 CHUNK_LOGITS = 1 << 23
+# On a GPU that would be 33 tokens of mT5 per chunk: matmuls too small to fill it. 1 << 28 logits (1 GiB in
+# fp32) is 1073 tokens of mT5 (8355 of T5) per chunk, a few chunks per micro-batch.
+CUDA_CHUNK_LOGITS = 1 << 28
+# Bytes alive per logit of a chunk at its peak: the fp32 logits, an fp32 temporary as large (the
+# log-sum-exp's exponentials; in training the gradient is written over the logits, then cast), and the
+# logits in a 16-bit compute dtype before their cast: 4 + 4 + 2, rounded up.
+BYTES_PER_LOGIT = 12
+# A chunk may take at most this share of the device's memory (1/16: 3 GiB of an 80 GiB GPU at the cap).
+CHUNK_MEMORY_SHARE = 16
+
+
+def chunk_logits_for(device: torch.device) -> int:
+    """Logits per chunk of the fused head losses on `device`: CHUNK_LOGITS on CPUs (tuned there); on CUDA
+    CUDA_CHUNK_LOGITS, less on a GPU whose memory / CHUNK_MEMORY_SHARE cannot hold BYTES_PER_LOGIT each."""
+    if device.type != "cuda":
+        return CHUNK_LOGITS
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(CHUNK_LOGITS, min(CUDA_CHUNK_LOGITS, total // (CHUNK_MEMORY_SHARE * BYTES_PER_LOGIT)))
+
+
+def _compute_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [tokens, d_model] and weight cast as F.linear would be under the active autocast."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return hidden.reshape(-1, hidden.shape[-1]), weight
+
+
+def _scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """tensor *= scale (fp32, 0-dim) in place, the product rounded once from fp32 whatever tensor's dtype (as
+    an fp32 accumulator scaled, then cast, would be), with an fp32 temporary of at most 1/16 of the rows."""
+    if tensor.dtype == scale.dtype:
+        return tensor.mul_(scale)
+    for rows in tensor.split(max(1, min(CHUNK_LOGITS // tensor.shape[-1], -(-tensor.shape[0] // 16)))):
+        rows.copy_(rows.float().mul_(scale))
+    return tensor
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
                 chunk_tokens: int) -> torch.Tensor:
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
-        # fp32 accumulation of the head's gradient over chunks, whatever the compute dtype.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        for start in range(0, hidden.shape[0], chunk_tokens):
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        starts = range(0, hidden.shape[0], chunk_tokens)
+        # The head's gradient accumulates in fp32 over chunks, whatever the compute dtype; a single chunk's
+        # product is the gradient itself, exact in the compute dtype (half the bytes of fp32 under bf16).
+        grad_weight = None
+        if want_weight and (len(starts) > 1 or weight.dtype == torch.float32):
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in starts:
             h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
             logits = (h @ weight.t()).float()
             valid = y != IGNORE_INDEX
             target = y.clamp(min=0).unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
             total += ((lse - logits.gather(1, target).squeeze(1)) * valid).sum()
-            if need_grad:
+            if want_hidden or want_weight:
                 # d(loss)/d(logits) = softmax - one_hot(label), zero for ignored tokens; in place over the logits.
                 grad = logits.sub_(lse.unsqueeze(1)).exp_()
                 grad.scatter_add_(1, target, torch.full_like(target, -1, dtype=grad.dtype))
                 grad.mul_(valid.unsqueeze(1))
                 grad = grad.to(hidden.dtype)
-                grad_hidden[start:start + chunk_tokens] = grad @ weight
-                if h.dtype == grad_weight.dtype:
+                if want_hidden:
+                    grad_hidden[start:start + chunk_tokens] = grad @ weight
+                if want_weight and grad_weight is None:
+                    grad_weight = grad.t() @ h
+                elif want_weight and h.dtype == grad_weight.dtype:
                     grad_weight.addmm_(grad.t(), h)
-                else:
+                elif want_weight:
                     grad_weight += grad.t() @ h
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # Kept on ctx, not saved for backward: backward takes them and drops ctx's references, so the
+        # head's gradient (vocab x d_model) is scaled in place and handed to autograd, which keeps it as the
+        # weight's .grad (fp32, first micro-batch) or adds it there and frees it, with no second copy.
+        ctx.grads = (grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),
-                (grad_weight * grad_total).to(ctx.weight_dtype), None, None)
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy_sum's backward runs once: its saved gradients are handed over "
+                               "(retain_graph=True is not supported)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = _scale_(grad_weight, grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
+                             chunk_logits: int | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` against `labels` (-100: ignored).
 
-    hidden [..., d_model], weight [vocab, d_model], labels [...]. Under autocast both operands are cast to the
-    autocast dtype first (as F.linear would be), so the head's gradient flows back through the cast."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    chunk_tokens = max(1, chunk_logits // weight.shape[0])
+    hidden [..., d_model], weight [vocab, d_model], labels [...]; chunk_logits: logits per chunk (default
+    chunk_logits_for the device). Under autocast both operands are cast to the autocast dtype first (as
+    F.linear would be), so the head's gradient flows back through the cast."""
+    hidden, weight = _compute_operands(hidden, weight)
+    chunk_tokens = max(1, (chunk_logits or chunk_logits_for(hidden.device)) // weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
         return _LinearCrossEntropySum.apply(hidden, weight, labels.reshape(-1), chunk_tokens)
+
+
+@torch.no_grad()
+def vocab_shard_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0,
+                           chunk_logits: int | None = None) -> torch.Tensor:
+    """[4, tokens] fp32, per token, over the logits of `weight`'s rows, rows vocab_start... of the head: the
+    largest logit, its index in the whole vocabulary (the first of equal ones; exact in fp32 below 2**24
+    words), the log-sum-exp, and the label's logit (0 where another shard holds the label's row, or none).
+    Computed chunk by chunk, as F.linear(hidden, weight) would under the active autocast, then in fp32.
+
+    hidden [..., d_model], weight [vocab_shard, d_model], labels [...] (-100: ignored)."""
+    hidden, weight = _compute_operands(hidden, weight)
+    labels = labels.reshape(-1)
+    chunk_tokens = max(1, (chunk_logits or chunk_logits_for(hidden.device)) // weight.shape[0])
+    stats = torch.empty(4, hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    local = (labels - vocab_start).clamp(0, weight.shape[0] - 1)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            logits = (hidden[start:end] @ weight.t()).float()
+            best = logits.argmax(-1, keepdim=True)
+            stats[0, start:end] = logits.gather(1, best).squeeze(1)
+            stats[1, start:end] = best.squeeze(1) + vocab_start
+            stats[2, start:end] = torch.logsumexp(logits, dim=-1)
+            stats[3, start:end] = logits.gather(1, local[start:end].unsqueeze(1)).squeeze(1)
+            del logits  # before the next chunk's are computed
+    held = (labels >= vocab_start) & (labels < vocab_start + weight.shape[0])
+    stats[3].masked_fill_(~held, 0.0)
+    return stats
+
+
+def loss_and_correct_of_shards(stats: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross-entropy, number of argmax predictions equal to the label) over labels != -100, from
+    `vocab_shard_statistics` of shards that together cover the vocabulary once: stats [shards, 4, tokens]."""
+    top, index, lse, target = stats.unbind(1)  # [shards, tokens] each
+    best = top.amax(0)
+    prediction = torch.where(top == best, index, torch.inf).amin(0)  # the lowest index among equal maxima
+    labels = labels.reshape(-1)
+    valid = labels != IGNORE_INDEX
+    loss = ((torch.logsumexp(lse, 0) - target.sum(0)) * valid).sum()
+    return loss, ((prediction == labels) & valid).sum()
+
+
+def token_loss_and_correct(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0,
+                           group: dist.ProcessGroup | None = None,
+                           chunk_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation's head: (summed fp32 cross-entropy, number of correct argmax predictions) over labels !=
+    -100, as `token_loss_sum(F.linear(hidden, weight), labels)` and the argmax of those logits (ties: the
+    lowest index) would give, without the logits of all tokens at once. `weight` holds rows vocab_start... of
+    the head; with `group`, the ranks holding the other rows (collective): each reduces its rows to
+    `vocab_shard_statistics` and these four numbers per token are all-gathered, not the logits."""
+    stats = vocab_shard_statistics(hidden, weight, labels, vocab_start, chunk_logits)
+    if group is None:
+        return loss_and_correct_of_shards(stats.unsqueeze(0), labels)
+    size = dist.get_world_size(group)
+    gathered = stats.new_empty(size * stats.shape[0], stats.shape[1])  # concatenated on dim 0, as gloo requires
+    dist.all_gather_into_tensor(gathered, stats, group=group)
+    return loss_and_correct_of_shards(gathered.view(size, *stats.shape), labels)

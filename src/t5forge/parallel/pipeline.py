@@ -470,7 +470,7 @@ class FullParameters:
     def tensors(self):
         if not self.gathers:
             return
-        own = full_parameters(self.part)
+        own = full_parameters(self.part, dst=int(self.ranks[self.pp_rank, 0, 0]))  # this stage's leader
         if dist.get_rank() == 0:
             seen = set()
             for name, tensor in own:

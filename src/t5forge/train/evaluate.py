@@ -14,21 +14,54 @@ from torch.distributed.tensor import DTensor
 
 from t5forge.data.loader import build_loader
 from t5forge.errors import ConfigError
-from t5forge.models.loss import token_loss_sum
+from t5forge.models.loss import IGNORE_INDEX, token_loss_and_correct
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
+from t5forge.parallel.parallelize import local_region
 from t5forge.parallel.pipeline import Pipeline
 from t5forge.train.build import build_data, load_run_model
-from t5forge.train.forward import compute_context, model_inputs, scalar
+from t5forge.train.forward import compute_context, model_inputs
 
 
-def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Targets whose argmax prediction is right, as a device tensor (evaluation only: gathers
-    vocab-parallel logits)."""
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
-    valid = labels != -100
-    return ((logits.argmax(-1) == labels) & valid).sum()
+class HeadSums:
+    """Evaluates the LM head from inside its call: a forward pre-hook on `head` (removed by `close`) takes the
+    head's input and weight as the head would use them (after tensor parallelism has laid out the input,
+    inside FSDP's gathering of the weight), adds [loss sum, tokens, correct predictions] of `labels` to
+    `sums` (fp64, on the device) with `token_loss_and_correct`, and hands the head one token: neither the
+    logits of the batch nor, under tensor parallelism, their gathering ever exist."""
+
+    def __init__(self, head: nn.Module, sums: torch.Tensor):
+        self.sums, self.labels = sums, None
+        self.handle = head.register_forward_pre_hook(self._hook)
+
+    def __call__(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> None:
+        """Run `head` on `hidden` [batch, len, d_model] for `labels` [batch, len] (for a pipeline's last stage)."""
+        self.labels = labels
+        head(hidden)
+        if self.labels is not None:
+            raise RuntimeError("the head called is not the one whose evaluation was set up")
+
+    def _hook(self, head: nn.Module, args: tuple) -> tuple:
+        hidden, weight, labels = args[0], head.weight, self.labels
+        if labels is None:
+            raise RuntimeError("the head was called during evaluation without labels (one call per batch)")
+        self.labels = None
+        vocab_start, group = 0, None
+        if isinstance(weight, DTensor):  # a vocab-parallel head
+            if weight.device_mesh.ndim != 1 or not (weight.placements[0].is_shard(0)):
+                raise NotImplementedError(f"evaluating a head laid out as {weight.placements} on a "
+                                          f"{weight.device_mesh.ndim}-D mesh (expected Shard(0) on the tp mesh)")
+            vocab_start, group = local_region(weight)[0].start, weight.device_mesh.get_group()
+            weight = weight.to_local()
+        if isinstance(hidden, DTensor):
+            hidden = hidden.full_tensor()  # replicated already (sequence parallelism gathered it for the head)
+        loss, correct = token_loss_and_correct(hidden, weight, labels, vocab_start, group)
+        self.sums += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double(), correct.double()])
+        # The head itself gets one token ([1, 1, vocab] logits, discarded): DTensor's linear fails on none.
+        return (args[0][:1, :1], *args[1:])
+
+    def close(self) -> None:
+        self.handle.remove()
 
 
 @torch.no_grad()
@@ -50,25 +83,25 @@ def evaluate(model: T5ForConditionalGeneration, dataset, micro_batch_size: int, 
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, tokens, correct: read once, at the end
+    heads = HeadSums(model.lm_head, sums) if hasattr(model, "lm_head") else None  # a pipeline's part may lack it
     if pipeline is not None:
         def on_output(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-            logits = lm_head(hidden)
-            return torch.stack([scalar(token_loss_sum(logits, labels)).double(), (labels != -100).sum().double(),
-                                correct_predictions(logits, labels).double()])
+            heads(lm_head, hidden, labels)
+            return torch.zeros(3, dtype=torch.float64, device=device)  # counted in `sums` already
 
         pipeline.set_on_output(on_output)
-    for batch in loader:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with compute_context(device, precision, vocab_parallel=tensor_parallel):
-            if pipeline is not None:
-                result = pipeline.forward_only(batch)  # the last stage's sums; None on other stages
-                if result is not None:
-                    sums += result
-                continue
-            logits = model(**model_inputs(model, batch)).logits
-            loss = scalar(token_loss_sum(logits, batch["labels"]))
-        sums += torch.stack([loss.double(), (batch["labels"] != -100).sum().double(),
-                             correct_predictions(logits, batch["labels"]).double()])
+    try:
+        for batch in loader:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with compute_context(device, precision, vocab_parallel=tensor_parallel):
+                if pipeline is not None:
+                    pipeline.forward_only(batch)
+                else:
+                    heads.labels = batch["labels"]
+                    model(**model_inputs(model, batch))
+    finally:
+        if heads is not None:
+            heads.close()
     group = mesh.group("pp", "dp") if mesh is not None else None
     if group is not None:
         dist.all_reduce(sums, group=group)

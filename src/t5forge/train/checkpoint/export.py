@@ -31,7 +31,7 @@ def export_hf_model(model, config, target: str | os.PathLike, *, tokenizer_dir: 
         sizes, tensors = gathered.sizes, gathered.tensors()
     else:
         sizes = {unwrap_name(name): p.numel() * p.element_size() for name, p in model.named_parameters()}
-        tensors = full_parameters(model)
+        tensors = full_parameters(model, dst=0)  # the other ranks send their shards and keep nothing
 
     def write() -> None:
         try:
