@@ -342,8 +342,9 @@ def check_hf_export(ctx: Context) -> dict:
 def check_comm_audit(ctx: Context) -> dict:
     """A one-rank process group on the device's backend; the recorder must see the all-reduce, match its wait
     (no collective left unwaited, no wait unattributed) and time it. On a GPU the wait must measure a real
-    stall: the all-reduce is queued behind a 50 ms sleep kernel and waited for from an idle stream, so the
-    CUDA events around the wait span about the sleep (a recorder that timed only the enqueue reads ~0)."""
+    stall: the all-reduce is queued on a side stream behind a 50 ms sleep kernel and waited for from the
+    compute stream, so the CUDA events around the wait span about the sleep (a recorder that timed only the
+    enqueue reads ~0)."""
     import torch.distributed as dist
 
     from t5forge.parallel.comm_audit import CollectiveRecorder
@@ -355,20 +356,25 @@ def check_comm_audit(ctx: Context) -> dict:
     try:
         x = torch.ones(1 << 20, device=device)
         a = torch.randn(512, 512, device=device)
+        dist.all_reduce(x)  # NCCL's communicator forms at the first collective: not inside the timed span
+        if cuda:
+            torch.cuda.synchronize()
         stall_s = 0.05 if cuda else 0.0
         if cuda:  # cycles of the sleep kernel for stall_s, from the clock rate (kHz)
             cycles = int(stall_s * torch.cuda.get_device_properties(device).clock_rate * 1e3)
-        idle = torch.cuda.Stream(device) if cuda else None
-        recorder = CollectiveRecorder({frozenset({0}): "world"}, device)
+        side = torch.cuda.Stream(device) if cuda else None
+        recorder = CollectiveRecorder({frozenset({0}): "world"}, device)  # times on the compute stream
         with recorder:
             recorder.phase = "backward"
-            if cuda:
-                torch.cuda._sleep(cycles)  # NCCL's stream waits for the compute stream before the all-reduce
-            work = dist.all_reduce(x, async_op=True)
+            # On a side stream: the sleep, then the all-reduce (NCCL's stream waits for the issuing stream), as
+            # FSDP issues its collectives; the compute stream is not held by the call, only by the wait.
+            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                if cuda:
+                    torch.cuda._sleep(cycles)
+                work = dist.all_reduce(x, async_op=True)
             for _ in range(10):
                 a = (a @ a).tanh()
-            with torch.cuda.stream(idle) if cuda else contextlib.nullcontext():
-                work.wait()
+            work.wait()  # the compute stream waits for the all-reduce: ~stall_s of exposed time
         record = recorder.record
         seen = [(c.kind, c.dim, c.phase, c.nbytes) for c in record.collectives]
         exposed = sum(c.exposed_s for c in record.collectives)
@@ -533,9 +539,8 @@ def check_compile(ctx: Context) -> dict:
         # Inductor's C++ compile of a tiny T5 step takes ~80 s on this CPU; aot_eager traces the same graphs
         # (Dynamo, AOT autograd: graph breaks, recompiles) without generating code. Only this child is changed.
         backend = "aot_eager (CPU dry run: inductor's code generation is proven on the GPU only)"
-        compile_module = torch.nn.Module.compile
-        torch.nn.Module.compile = lambda self, *args, **kwargs: compile_module(self, *args,
-                                                                               **{"backend": "aot_eager", **kwargs})
+        compile_function = torch.compile  # what parallelize.apply_compile calls, looked up at each call
+        torch.compile = lambda *args, **kwargs: compile_function(*args, **{"backend": "aot_eager", **kwargs})
     common = ["model.dropout_rate=0", "precision.dtype=fp32", "train.max_steps=3", "train.log_period=1",
               "train.save_period=0", "train.export_hf=false"]
     _, eager = train_run([*ctx.run("eager", ctx.small), *common])
@@ -669,6 +674,8 @@ def run_in_child(check: Check, ctx: Context, timeout: float) -> dict:
     result_file.parent.mkdir(exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    if torch.cuda.is_initialized():  # a forked child could not use the GPU: say why once, not in every check
+        raise RuntimeError("gpu_check: the parent process created a CUDA context before forking a check")
     start = time.time()
     pid = os.fork()
     if pid == 0:  # the child: never returns

@@ -73,9 +73,9 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     from t5forge.train.metrics import peak_memory_mib
     from t5forge.train.trainer import Trainer, default_hooks
 
-    init_distributed()  # each process on its own device
-    trainer = Trainer(load_config(config, [path_override("train.output_dir", Path(out, "run")), *overrides]),
-                      echo=lambda *_: None)
+    run = load_config(config, [path_override("train.output_dir", Path(out, "run")), *overrides])
+    init_distributed(run.parallel)  # each process on its own device, with the run's backend and timeouts
+    trainer = Trainer(run, echo=lambda *_: None)
     timer = StepTimer(trainer.grad_sync)
     trainer.run_training(default_hooks(trainer, tensorboard=False) + [timer])
     optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
@@ -129,9 +129,9 @@ def load_worker(hf_dir: str, out: str, overrides: list[str]) -> None:
     from t5forge.train.metrics import peak_memory_mib
     from t5forge.train.build import build_model, build_model_config
 
-    init_distributed()  # each process on its own device
     run = load_config(None, [path_override("model.path", hf_dir), "data.dataset=unused", "data.tokenizer=unused",
                              "train.output_dir=unused", "train.max_steps=1", *overrides])
+    init_distributed(run.parallel)  # each process on its own device, with the run's backend and timeouts
     before = peak_memory_mib(torch.device("cpu"))
     mesh = build_mesh(run.parallel)
     start = time.perf_counter()

@@ -49,7 +49,9 @@ def worker(config: str, out: str, cases: list[dict]) -> None:
     from t5forge.parallel.mesh import init_distributed
     from t5forge.train.trainer import Trainer
 
-    init_distributed()  # held across cases (each trainer's mesh reuses it), each process on its own device
+    # Held across cases (each trainer's mesh reuses it), each process on its own device; the cases differ
+    # in pipeline schedule only, so the first one's backend and timeouts are every case's.
+    init_distributed(load_config(config, cases[0]["overrides"]).parallel)
     results = []
     for case in cases:
         run = load_config(config, case["overrides"])

@@ -84,7 +84,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         starts = range(0, hidden.shape[0], chunk_tokens)
         # The head's gradient accumulates in fp32 over chunks, whatever the compute dtype; a single chunk's
-        # product is the gradient itself, exact in the compute dtype (half the bytes of fp32 under bf16).
+        # product is the gradient itself in the compute dtype (half the bytes of fp32 under bf16), rounded once
+        # there and once more when backward scales it in fp32 and stores it back (the tests allow for both).
         grad_weight = None
         if want_weight and (len(starts) > 1 or weight.dtype == torch.float32):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

@@ -13,6 +13,8 @@ ZeRO 0/1 reduce gradients through hooks on the parameters, which must exist firs
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import re
 import types
 from collections.abc import Callable
@@ -201,7 +203,7 @@ def check_fits(model_bytes_per_rank: float, free_bytes: int | None, what: str) -
     verdicts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         # A host tensor: the default group carries it through gloo, whatever serves the GPU.
-        verdicts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        verdicts = [torch.full_like(mine, -1.0) for _ in range(dist.get_world_size())]
         dist.all_gather(verdicts, mine)
     short = [(rank, need, free) for rank, (need, free) in enumerate(v.tolist() for v in verdicts)
              if free >= 0 and need > free]
@@ -234,9 +236,6 @@ def full_parameters(model: nn.Module, dst: int | None = None):
 
 def _gather_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
     """`tensor` in full on the CPU of global rank `dst`, None on other ranks (collective over its mesh)."""
-    import itertools
-    import math
-
     # Private, as compute_local_shape_and_global_offset above: the region of any mesh coordinate, not only ours.
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -248,17 +247,23 @@ def _gather_to(tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
     ranks = tensor.device_mesh.mesh
     if not bool((ranks == dst).any()):
         return None
-    # The first rank (in mesh order) that holds each non-empty region sends it; replicas of it stay silent.
+    # One rank sends each non-empty region (dst itself where it holds one, else the first in mesh order);
+    # replicas of it stay silent.
     owners: dict[tuple[tuple[int, int], ...], int] = {}  # ((start, stop) per dim): slices hash from 3.12 only
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
         shape, offset = _compute_local_shape_and_global_offset(tensor.shape, tuple(ranks.shape), list(coordinate),
                                                                tensor.placements)
         if math.prod(shape) > 0:
-            owners.setdefault(tuple((o, o + n) for o, n in zip(offset, shape)), int(ranks[coordinate]))
+            bounds, holder = tuple((o, o + n) for o, n in zip(offset, shape)), int(ranks[coordinate])
+            if owners.setdefault(bounds, holder) != dst and holder == dst:
+                owners[bounds] = dst
     local = tensor.to_local()
     if rank != dst:
         if rank in owners.values():
-            dist.send(local.contiguous(), dst=dst)
+            # Batched like dst's receives: NCCL runs batched point-to-point on the group's communicator and a
+            # plain send on a pair communicator of its own, and the two sides would never meet.
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, local.contiguous(), dst)]):
+                work.wait()
         return None
     full = torch.empty(tensor.shape, dtype=tensor.dtype)
     received, ops = [], []

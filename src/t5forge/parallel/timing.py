@@ -3,7 +3,7 @@ synchronising inside the step.
 
 On a CPU (gloo) a wait blocks the host, so host time is the span. On a GPU (NCCL) `Work.wait()` returns at
 once and makes the compute stream wait for the communication stream instead: the span is a pair of CUDA
-events on the current (compute) stream, and a stall of that stream shows up between them. Their elapsed
+events on the compute stream (current when the timer is made), and a stall of that stream shows up between them. Their elapsed
 time is known only once the device has passed the end event, so it is added later: by `stop` for spans
 that have already completed (a non-blocking query), or by `resolve`, which blocks and belongs outside the
 step."""
@@ -22,12 +22,15 @@ class SpanTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        # The compute stream, fixed when the timer is made: FSDP2 issues and waits for its collectives on side
+        # streams of its own, and a stall there overlaps computation; only the compute stream's is exposed.
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self._pending: list[tuple] = []  # (start event, end event, add), in stream order
 
     def start(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(self.stream)
             return event
         return time.perf_counter()
 
@@ -36,7 +39,7 @@ class SpanTimer:
             add(time.perf_counter() - started)
             return
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(self.stream)
         self._pending.append((started, end, add))
         # Fold in what the device has already passed, so a timer nobody reads (a long run) stays small.
         self._collect(block=False)
