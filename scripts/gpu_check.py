@@ -56,7 +56,7 @@ from t5forge.config import load_config  # noqa: E402
 from t5forge.data.corpus import python_docstring_task, write_python_docs  # noqa: E402
 from t5forge.data.preprocess import preprocess  # noqa: E402
 from t5forge.data.tokenizer import train_tokenizer  # noqa: E402
-from t5forge.errors import ConfigError  # noqa: E402
+from t5forge.parallel.parallelize import compile_counters  # noqa: E402
 from t5forge.train.hooks import CheckpointHook  # noqa: E402
 from t5forge.train.metrics import read_metrics  # noqa: E402
 from t5forge.train.trainer import Trainer, default_hooks  # noqa: E402
@@ -501,14 +501,6 @@ def check_dp2_gloo(ctx: Context) -> dict:
     process."""
     from t5forge.lifecycle import launch
 
-    backend = ["parallel.backend=gloo"]
-    try:
-        load_config(None, [*ctx.run("dp2", ctx.small), "train.max_steps=1", *backend])
-    except ConfigError as error:
-        if not ctx.cpu:
-            return {"skipped": f"this version has no parallel.backend key, and two ranks cannot share one GPU "
-                               f"over NCCL ({error})"}
-        backend = []  # gloo is the CPU default anyway
     overrides = [*ctx.run("dp2", ctx.small), "model.dropout_rate=0", "precision.dtype=fp32", "train.max_steps=4",
                  "train.log_period=1", "train.save_period=0", "train.export_hf=false", "data.num_workers=0"]
     _, reference = train_run([*overrides, f"train.output_dir={ctx.work / 'dp1'}"])
@@ -520,13 +512,13 @@ def check_dp2_gloo(ctx: Context) -> dict:
     scratch.mkdir()
     # The parent's timeout kills this process group: the torchrun agent and its ranks with it.
     job, = launch(["t5forge", "train", str(config), *overrides, half, "parallel.dp=2", "parallel.zero_stage=0",
-                   *backend], 2, capture=True, scratch=scratch)
+                   "parallel.backend=gloo"], 2, capture=True, scratch=scratch)
     if job.returncode != 0:
         raise RuntimeError(f"the two ranks failed (exit status {job.returncode}):\n{job.stdout[-1500:]}\n"
                            f"{job.stderr[-2500:]}")
     losses = [r["loss"] for r in read_metrics(ctx.work / "dp2" / "metrics.jsonl") if "loss" in r]
     diff = max_rel_diff(losses, reference["losses"])
-    return {"backend": "gloo" + ("" if backend else " (the CPU default; no parallel.backend key)"),
+    return {"backend": "gloo",
             "launcher": "torchrun --nproc-per-node 2 (lifecycle.launch)", "losses_dp2": losses,
             "losses_one_rank": reference["losses"], "max_rel_diff": diff, "tolerance": parity_tolerance(ctx),
             "passed": diff <= parity_tolerance(ctx)}
@@ -545,20 +537,13 @@ def check_compile(ctx: Context) -> dict:
               "train.save_period=0", "train.export_hf=false"]
     _, eager = train_run([*ctx.run("eager", ctx.small), *common])
     _, compiled = train_run([*ctx.run("compiled", ctx.small), *common, "train.compile=true"])
-    try:
-        from t5forge.parallel.parallelize import compile_counters
-    except ImportError:
-        counters = "compile_counters unavailable"
-    else:
-        try:
-            counters = compile_counters()
-        except Exception as error:  # another version's signature: reported, not fatal
-            counters = f"compile_counters failed: {type(error).__name__}: {error}"
+    counters = compile_counters()
     diff = max_rel_diff(compiled["losses"], eager["losses"])
     first = compiled["records"][0].get("first_step_s") if compiled["records"] else None
     return {"backend": backend, "losses_eager": eager["losses"], "losses_compiled": compiled["losses"],
             "max_rel_diff": diff, "tolerance": parity_tolerance(ctx), "first_step_s": first,
-            "compile_counters": counters, "passed": diff <= parity_tolerance(ctx) and (not isinstance(counters, dict) or not counters.get("recompile_limit_hits"))}
+            "compile_counters": counters,
+            "passed": diff <= parity_tolerance(ctx) and counters["recompile_limit_hits"] == 0}
 
 
 def check_bench_vs_transformers(ctx: Context) -> dict:

@@ -57,6 +57,11 @@ def chunk_logits_for(device: torch.device) -> int:
     return max(CHUNK_LOGITS, min(CUDA_CHUNK_LOGITS, total // (CHUNK_MEMORY_SHARE * BYTES_PER_LOGIT)))
 
 
+def _chunk_tokens(weight: torch.Tensor, device: torch.device, chunk_logits: int | None) -> int:
+    """Tokens per chunk: `chunk_logits` logits (default chunk_logits_for(device)) over weight's rows."""
+    return max(1, (chunk_logits or chunk_logits_for(device)) // weight.shape[0])
+
+
 def _compute_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [tokens, d_model] and weight cast as F.linear would be under the active autocast."""
     if torch.is_autocast_enabled(hidden.device.type):
@@ -139,7 +144,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     chunk_logits_for the device). Under autocast both operands are cast to the autocast dtype first (as
     F.linear would be), so the head's gradient flows back through the cast."""
     hidden, weight = _compute_operands(hidden, weight)
-    chunk_tokens = max(1, (chunk_logits or chunk_logits_for(hidden.device)) // weight.shape[0])
+    chunk_tokens = _chunk_tokens(weight, hidden.device, chunk_logits)
     with torch.autocast(hidden.device.type, enabled=False):
         return _LinearCrossEntropySum.apply(hidden, weight, labels.reshape(-1), chunk_tokens)
 
@@ -155,7 +160,7 @@ def vocab_shard_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     hidden [..., d_model], weight [vocab_shard, d_model], labels [...] (-100: ignored)."""
     hidden, weight = _compute_operands(hidden, weight)
     labels = labels.reshape(-1)
-    chunk_tokens = max(1, (chunk_logits or chunk_logits_for(hidden.device)) // weight.shape[0])
+    chunk_tokens = _chunk_tokens(weight, hidden.device, chunk_logits)
     stats = torch.empty(4, hidden.shape[0], dtype=torch.float32, device=hidden.device)
     local = (labels - vocab_start).clamp(0, weight.shape[0] - 1)
     with torch.autocast(hidden.device.type, enabled=False):
