@@ -209,3 +209,30 @@ def test_chunks_are_sized_for_the_device(monkeypatch):
     assert chunk_logits_for(torch.device("cuda", 0)) == 2**30 // 12
     Properties.total_memory = 2**30  # never below the CPU's chunk
     assert chunk_logits_for(torch.device("cuda", 0)) == CHUNK_LOGITS
+
+
+def test_mt5_vocabulary_with_the_default_chunks():
+    """mT5's 250,112 words: the default CPU chunk holds 33 tokens, so 80 tokens cross two chunk boundaries;
+    the loss, every element of both gradients, and evaluation's loss and accuracy over three uneven
+    vocabulary shards equal the full logits'."""
+    hidden, weight, labels = inputs(seed=7, vocab=250112, d=8, shape=(4, 20))
+    assert CHUNK_LOGITS // 250112 < hidden.shape[0] * hidden.shape[1] // 2
+    expected = reference(hidden, weight, labels)
+    expected_grads = grads(expected, hidden, weight)
+    loss = linear_cross_entropy_sum(hidden, weight, labels)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-4)
+    # Each hidden-state gradient sums 250,112 products in fp32, so two summation orders part by ~1e-5
+    # (torch's own path too): every element is held against fp64, no further from it than torch's fp32 is.
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    exact = grads(reference(h64, w64, labels), h64, w64)
+    for got, want, truth in zip(grads(loss, hidden, weight), expected_grads, exact):
+        torch_error = (want.double() - truth).abs().max().item()
+        assert (got.double() - truth).abs().max().item() <= 2 * torch_error + 1e-7
+    with torch.no_grad():
+        expected_loss, expected_correct = full_logits_reference(hidden, weight, labels)
+        bounds = (0, 83371, 166742, 250112)
+        stats = torch.stack([vocab_shard_statistics(hidden, weight[a:b], labels, vocab_start=a)
+                             for a, b in zip(bounds, bounds[1:])])
+        loss, correct = loss_and_correct_of_shards(stats, labels)
+    assert correct.item() == expected_correct.item()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-4)
