@@ -1,7 +1,8 @@
 """The LM head fused with the cross-entropy (models/loss.py) against F.linear + F.cross_entropy, per element:
 the summed loss and the gradients of the hidden states and of the head, across chunk boundaries, with
 ignored labels, under bf16 autocast and without autograd; the head's gradient held once, not copied;
-evaluation's loss and argmax accuracy from chunks and from vocabulary shards; the chunk size per device."""
+evaluation's loss and argmax accuracy from chunks and from vocabulary shards; the chunk size per device and
+per shape."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from t5forge.models import loss as loss_module
 from t5forge.models.loss import (
     CHUNK_LOGITS,
+    MIN_CHUNK_TOKENS,
     chunk_logits_for,
+    chunk_tokens_for,
     linear_cross_entropy_sum,
     loss_and_correct_of_shards,
     token_loss_and_correct,
@@ -211,15 +215,16 @@ def test_chunks_are_sized_for_the_device(monkeypatch):
     assert chunk_logits_for(torch.device("cuda", 0)) == CHUNK_LOGITS
 
 
-def test_mt5_vocabulary_with_the_default_chunks():
-    """mT5's 250,112 words: the default CPU chunk holds 33 tokens, so 80 tokens cross two chunk boundaries;
-    the loss, every element of both gradients, and evaluation's loss and accuracy over three uneven
-    vocabulary shards equal the full logits'."""
+def test_mt5_vocabulary_in_the_cpu_budget_s_chunks():
+    """mT5's 250,112 words in the CPU's logits budget (33-token chunks: the training loss's default takes
+    these 80 tokens in one, test_the_training_loss_makes_no_thin_products_over_the_head), so 80 tokens cross
+    two chunk boundaries; the loss, every element of both gradients, and evaluation's loss and accuracy over
+    three uneven vocabulary shards equal the full logits'."""
     hidden, weight, labels = inputs(seed=7, vocab=250112, d=8, shape=(4, 20))
     assert CHUNK_LOGITS // 250112 < hidden.shape[0] * hidden.shape[1] // 2
     expected = reference(hidden, weight, labels)
     expected_grads = grads(expected, hidden, weight)
-    loss = linear_cross_entropy_sum(hidden, weight, labels)
+    loss = linear_cross_entropy_sum(hidden, weight, labels, chunk_logits=CHUNK_LOGITS)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-4)
     # Each hidden-state gradient sums 250,112 products in fp32, so two summation orders part by ~1e-5
     # (torch's own path too): every element is held against fp64, no further from it than torch's fp32 is.
@@ -236,3 +241,72 @@ def test_mt5_vocabulary_with_the_default_chunks():
         loss, correct = loss_and_correct_of_shards(stats, labels)
     assert correct.item() == expected_correct.item()
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-4)
+
+
+def fewest_chunks(tokens, budget_tokens, min_tokens):
+    """The chunk count by search: the fewest even chunks within the budget, unless that thins one below
+    min_tokens tokens (then as many as min_tokens allows, at least one)."""
+    chunks = next(k for k in range(1, tokens + 1) if -(-tokens // k) <= budget_tokens)
+    while chunks > 1 and tokens // chunks < min_tokens:
+        chunks -= 1
+    return chunks
+
+
+@pytest.mark.parametrize("vocab", [32128, 250112])
+def test_chunks_are_the_fewest_within_the_budget_and_never_thinner_than_the_minimum(vocab, monkeypatch):
+    class Properties:
+        total_memory = 141 * 10**9  # an H200
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        budget = chunk_logits_for(device) // vocab
+        for tokens in (1, 33, 228, 255, 256, 257, 456, 912, 1073, 1074, 4000, 7296, 65536):
+            for min_tokens in (1, 256):
+                size = chunk_tokens_for(tokens, vocab, device, min_tokens=min_tokens)
+                chunks = -(-tokens // size)
+                assert chunks == fewest_chunks(tokens, budget, min_tokens), (device, tokens, min_tokens)
+                assert size == -(-tokens // chunks)  # even: the last chunk is the others' size up to rounding
+                if tokens <= budget:  # all the logits fit: one chunk, no accumulator
+                    assert chunks == 1
+                if tokens >= min_tokens:
+                    assert tokens // chunks >= min_tokens
+                if chunks == fewest_chunks(tokens, budget, 1):  # the minimum did not widen the chunks
+                    assert size <= budget
+
+
+class HeadProducts(TorchDispatchMode):
+    """The number of rows (tokens) of each matrix product with one side as tall as the head (vocab rows)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+            a, b = args[-2], args[-1]
+            if self.vocab in (b.shape[1], a.shape[1]):  # logits: h @ weight.T; hidden states' gradient: grad @ weight
+                self.rows.append(a.shape[0])
+            elif a.shape[0] == self.vocab:  # the head's gradient: grad.T @ h
+                self.rows.append(a.shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_training_loss_makes_no_thin_products_over_the_head(monkeypatch):
+    """With a logits budget of 10 tokens (as mT5's 33 on a CPU), the default chunks of the training loss still
+    hold MIN_CHUNK_TOKENS tokens or more: each of its three products per chunk (logits, hidden states' and
+    head's gradients) multiplies that many rows; tokens fewer than that make one chunk. An explicit budget
+    is kept (the exactness tests above use it) and the gradients stay exact."""
+    vocab = 300
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 10 * vocab)
+    for tokens in (MIN_CHUNK_TOKENS - 56, 2 * MIN_CHUNK_TOKENS + 88):
+        hidden, weight, labels = inputs(seed=8, vocab=vocab, d=16, shape=(4, tokens // 4))
+        expected_grads = grads(reference(hidden, weight, labels), hidden, weight)
+        with HeadProducts(vocab) as products:
+            loss = linear_cross_entropy_sum(hidden, weight, labels)
+        chunks = 1 if tokens < MIN_CHUNK_TOKENS else tokens // MIN_CHUNK_TOKENS
+        assert len(products.rows) == 3 * chunks and min(products.rows) >= min(tokens, MIN_CHUNK_TOKENS)
+        for ours, ref in zip(grads(loss, hidden, weight), expected_grads):  # the head's sums 600 tokens' products
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    with HeadProducts(vocab) as products:
+        linear_cross_entropy_sum(hidden, weight, labels, chunk_logits=10 * vocab)
+    assert max(products.rows) == 10
