@@ -297,6 +297,10 @@ def check_config(run: RunConfig) -> None:
     p = run.parallel
     if not 0 <= p.zero_stage <= 3:
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+    if p.zero_stage == 1 and o.name == "adafactor":  # a flat shard cuts the rows and columns it factors over
+        raise ConfigError("optim.name=adafactor factors each matrix's second moments over its rows and columns, "
+                          "which ZeRO-1's flat shards cut through: set parallel.zero_stage to 0, 2 or 3, or "
+                          "optim.name=adamw")
     if min(p.dp, p.tp, p.pp) < 1:
         raise ConfigError(f"parallel.dp, tp and pp must be >= 1, got {p.dp}, {p.tp}, {p.pp}")
     for key in ("timeout_minutes", "rank0_work_timeout_minutes"):

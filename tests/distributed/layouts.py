@@ -67,7 +67,8 @@ class StopAfter(Hook):
 
 
 _COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
-                "reduce_scatter", "all_to_all_single", "send", "recv", "isend", "irecv")
+                "reduce_scatter", "all_to_all_single", "send", "recv", "isend", "irecv",
+                "reduce_scatter_single", "all_gather_single")  # (torch 2.13's names of the *_tensor ones)
 
 
 class CollectiveDevices(TorchDispatchMode):
@@ -87,7 +88,7 @@ class CollectiveDevices(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        for name in _COLLECTIVES:
+        for name in (n for n in _COLLECTIVES if hasattr(dist, n)):
             original = getattr(dist, name)
             self.originals[name] = original
 
@@ -167,6 +168,9 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
             trainer.run_training(hooks)
     except Stop:
         pass
+    # Elements of optimizer state per rank (one first moment per element it updates).
+    audit["optimizer_elements"] = sum((s.to_local() if isinstance(s, DTensor) else s).numel()
+                                      for s in (state["exp_avg"] for state in trainer.optimizer.state.values()))
     audits = [None] * dist.get_world_size()
     dist.all_gather_object(audits, audit)
     evaluations = {}

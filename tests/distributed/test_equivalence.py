@@ -24,8 +24,9 @@ from t5forge.config import load_config
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.comm_audit import format_report
+from t5forge.parallel.data_parallel import SHARD_ALIGNMENT
 from t5forge.parallel.mesh import check_layout
-from t5forge.train.checkpoint import load_model_checkpoint
+from t5forge.train.checkpoint import load_model_checkpoint, read_metadata
 from t5forge.train.metrics import read_metrics
 from t5forge.train.finetune import finetune
 from t5forge.train.trainer import Trainer, train
@@ -36,6 +37,13 @@ from layouts import base_overrides  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 CHECKPOINT = "save/checkpoints/step_00000003"
+SAVE = "train.micro_batch_size=2;train.max_steps=6;train.save_period=3;stop_after=3"  # 3 of 6 steps, saved
+
+
+def resume(saved_by: str) -> str:
+    return f"train.max_steps=6;train.resume=OUT/{saved_by}/checkpoints/step_00000003"
+
+
 FROM_HF = "model.preset=null;model.path=OUT/hf_reference"
 AUDIT = "train.comm_audit=true"  # the second step's collectives, compared with the analytic model
 EVAL = "eval_reference=1;train.eval_samples=16"  # the trainer's evaluation and one from the full logits
@@ -51,6 +59,11 @@ FOUR_RANKS = {  # run as two "nodes" of two processes each
     "dp4_zero2": f"parallel.dp=4;parallel.zero_stage=2;train.micro_batch_size=2;{AUDIT}",
     "save": "parallel.dp=2;parallel.tp=2;train.max_steps=6;train.save_period=3;stop_after=3",
     "resume_dp4": f"parallel.dp=4;train.micro_batch_size=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+    # ZeRO-1 checkpoints hold each rank's flat range of every parameter's state, under the parameter's name.
+    "resume_dp2_tp2_zero1": f"parallel.dp=2;parallel.tp=2;parallel.zero_stage=1;train.max_steps=6;"
+                            f"train.resume=OUT/{CHECKPOINT}",
+    "save_zero1": f"parallel.dp=4;parallel.zero_stage=1;{SAVE}",
+    "save_zero3": f"parallel.dp=4;parallel.zero_stage=3;{SAVE}",
     # Built on the meta device: each rank initialises or loads only its shards.
     "init_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
     "hf_dp2_tp2_zero3": f"{FROM_HF};parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
@@ -75,6 +88,12 @@ TWO_RANKS = {
     "tp2_sp_ac_selective": "parallel.tp=2;parallel.sequence_parallel=true;parallel.activation_checkpointing=selective;"
                            f"{AUDIT}",
     "resume_tp2": f"parallel.tp=2;train.max_steps=6;train.resume=OUT/{CHECKPOINT}",
+    "resume_zero1_dp2_zero1": f"parallel.dp=2;parallel.zero_stage=1;{resume('save_zero1')}",
+    "resume_zero1_dp2_zero0": f"parallel.dp=2;{resume('save_zero1')}",
+    "resume_zero1_dp2_zero3": f"parallel.dp=2;parallel.zero_stage=3;train.micro_batch_size=2;{resume('save_zero1')}",
+    "resume_zero3_dp2_zero1": f"parallel.dp=2;parallel.zero_stage=1;{resume('save_zero3')}",
+    # Most of a tied T5's parameters are its embedding: ZeRO-1's sections still split them evenly.
+    "tied_dp2_zero1": "model.preset=t5-small;parallel.dp=2;parallel.zero_stage=1",
     # T5 v1.0: ReLU FFN, head tied to the embedding (and rescaled), which must stay tied when sharded.
     "tied_tp2": "model.preset=t5-small;parallel.tp=2",
     "tied_dp2_zero3": "model.preset=t5-small;parallel.dp=2;parallel.zero_stage=3",
@@ -261,10 +280,24 @@ def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, re
         # ... and every tensor handed to a collective lives on the compute device.
         assert {entry.split(":")[1] for entry in audit["devices"]} == {audit["device"]}, (layout, rank)
         assert audit["host_reads"] and all(calls == [] for calls in audit["host_reads"].values()), (layout, rank)
-    if "zero1" in layout:
-        # Reduce-scatter of gradient sections; on CPUs the parameter sections return by broadcast (gloo's
-        # all_gather needs equal sizes).
-        assert {"reduce_scatter", "broadcast"} <= {e.split(":")[0] for e in audits[0]["devices"]}
+    if "zero1" in layout:  # equal sections: a reduce-scatter and an all-gather of flat tensors, no broadcast
+        ops = {e.split(":")[0] for e in audits[0]["devices"]}
+        # (torch 2.13 names them reduce_scatter_single and all_gather_single)
+        assert ops & {"reduce_scatter_tensor", "reduce_scatter_single"}, ops
+        assert ops & {"all_gather_into_tensor", "all_gather_single"}, ops
+        assert "broadcast" not in ops, ops
+
+
+@pytest.mark.parametrize("layout", ["dp2_zero1", "tied_dp2_zero1", "save_zero1"])
+def test_zero1_splits_optimizer_state_evenly(layout, results):
+    """Every parameter element has its optimizer state on exactly one dp rank, and the ranks hold the same
+    number of elements up to one section alignment, however large the (tied) embedding is."""
+    out, reference = results
+    weights = reference["tied" if layout.startswith("tied") else 3][1]
+    counts = [audit["optimizer_elements"] for audit in json.loads((out / f"{layout}.json").read_text())["audits"]]
+    tied = layout.startswith("tied")
+    assert sum(counts) == sum(t.numel() for k, t in weights.items() if not (tied and k == "lm_head.weight"))
+    assert max(counts) - min(counts) <= len(counts) * SHARD_ALIGNMENT, counts
 
 
 AUDITED = [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if AUDIT in spec and not n.startswith("injected")]
@@ -306,9 +339,11 @@ def test_data_parallel_audit_counts_every_gradient_element_once(results):
     out, reference = results
     gradient_bytes = 4 * sum(t.numel() for t in reference["initial"].values())
     assert measured(comm_audit(out, "dp2"), "all_reduce", "dp")[1] == gradient_bytes + 2 * 8  # + tokens, loss
-    zero1 = comm_audit(out, "dp2_zero1_audited")
-    assert measured(zero1, "reduce_scatter", "dp")[1] == gradient_bytes
-    assert measured(zero1, "broadcast", "dp")[1] == gradient_bytes  # gloo's uneven all-gather
+    zero1 = comm_audit(out, "dp2_zero1_audited")  # one bucket, padded to two equal aligned sections
+    padded = measured(zero1, "reduce_scatter", "dp")[1]
+    assert gradient_bytes <= padded < gradient_bytes + 2 * SHARD_ALIGNMENT * 4 and padded % (2 * 4) == 0
+    assert measured(zero1, "all_gather", "dp")[1] == padded
+    assert measured(zero1, "broadcast", "dp") == (0, 0)
     zero2 = comm_audit(out, "dp2_zero2")  # two micro-batches: parameters are gathered once
     assert measured(zero2, "all_gather", "dp")[1] == gradient_bytes
     assert measured(zero2, "reduce_scatter", "dp")[1] == gradient_bytes
@@ -328,14 +363,34 @@ def test_a_redundant_collective_fails_the_audit(results):
     assert "difference(s)" in format_report(report)
 
 
-@pytest.mark.parametrize("layout", ["resume_dp4", "resume_tp2", "resume_single"])
-def test_checkpoint_of_dp2_tp2_resumes_in_other_layouts(layout, results):
+@pytest.mark.parametrize("layout, saved_by", [
+    ("resume_dp4", "save"), ("resume_tp2", "save"), ("resume_single", "save"), ("resume_dp2_tp2_zero1", "save"),
+    ("resume_zero1_dp2_zero1", "save_zero1"), ("resume_zero1_dp2_zero0", "save_zero1"),
+    ("resume_zero1_dp2_zero3", "save_zero1"), ("resume_zero3_dp2_zero1", "save_zero3"),
+])
+def test_checkpoint_resumes_in_other_layouts(layout, saved_by, results):
+    """A checkpoint of one layout (dp2 x tp2 ZeRO-0; dp4 ZeRO-1; dp4 ZeRO-3), resumed in another, continues with
+    the losses of an uninterrupted run: the optimizer state reshards by parameter name."""
     out, reference = results
     straight = reference[6][0]
-    saved = json.loads((out / "save.json").read_text())["losses"]
+    saved = json.loads((out / f"{saved_by}.json").read_text())["losses"]
     assert relative_difference(saved, straight[:3]) < 1e-5
     resumed = json.loads((out / f"{layout}.json").read_text())["losses"]
     assert relative_difference(resumed, straight[3:]) < 1e-6
+
+
+def test_zero1_checkpoints_hold_the_tensors_of_every_other_layout(results):
+    """The same DCP keys with the same full shapes and dtypes as ZeRO-0 and ZeRO-3 checkpoints of the model."""
+    out, _ = results
+
+    def tensors(saved_by: str) -> dict:
+        metadata = read_metadata(out / saved_by / "checkpoints" / "step_00000003").state_dict_metadata
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.items()
+                if k.startswith(("model.", "optimizer.")) and hasattr(m, "size")}
+
+    zero1 = tensors("save_zero1")
+    assert any(k.endswith(".exp_avg") for k in zero1)
+    assert zero1 == tensors("save") == tensors("save_zero3")
 
 
 def test_checkpoint_of_another_model_is_refused(results, dataset_prefix, tokenizer_dir, tmp_path):

@@ -111,6 +111,25 @@ def test_loss_ignores_minus_100_and_labels_shift_right():
     torch.testing.assert_close(out.loss, per_token.sum() / 8)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_fused_loss_is_a_call_of_the_head_module(tied):
+    """What is applied to the head from outside (FSDP's gathering of its sharded weight) must also serve
+    the loss fused with the head: it goes through the module, and equals the loss of the logits."""
+    model = initialised(6, **(dict(feed_forward_proj="relu", tie_word_embeddings=True) if tied else {}))
+    batch = random_batch(512, batch=2)
+    batch["labels"][1, 4:] = -100
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, kwargs, output: calls.append(kwargs), with_kwargs=True)
+    fused = model(**batch, return_logits=False)
+    assert fused.logits is None and len(calls) == 1 and calls[0]["labels"] is batch["labels"]
+    # The reference: the logits from the head's weight, then PyTorch's cross-entropy.
+    hidden = model.decoder_output(model.shift_right(batch["labels"]), model.encode(batch["input_ids"]))
+    logits = hidden @ model.lm_head.weight.T
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
+                                                 reduction="sum")
+    torch.testing.assert_close(fused.loss_sum, expected)
+
+
 def test_dropout_is_active_in_training_only():
     model = T5ForConditionalGeneration(tiny(dropout_rate=0.3))
     model.init_weights(torch.Generator().manual_seed(5))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from t5forge.cli import main
+from t5forge.config import load_config
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, record_to_dict
@@ -28,6 +29,7 @@ from t5forge.parallel.comm_model import (
     totals,
 )
 from t5forge.parallel.data_parallel import GradientBuckets
+from t5forge.train.build import comm_layout
 from t5forge.train.trainer import Trainer
 
 TINY_MODEL = {"vocab_size": 2176, "d_model": 32, "d_ff": 48, "d_kv": 8, "num_heads": 4, "num_layers": 2,
@@ -113,8 +115,48 @@ def test_fsdp_padding_is_part_of_the_required_bytes():
     padded = sum(math.ceil(s[0] / 3) * 3 * math.prod(s[1:]) for s in params)
     assert padded > sum(math.prod(s) for s in params)
     required = totals(step_requirements(config, shapes, Layout(dp=3, zero_stage=2)))
-    assert required[("all_gather", "dp")] == {"count": 2 * 2 + 1, "bytes": 4 * padded}
-    assert required[("reduce_scatter", "dp")] == {"count": 2 * 2 + 1, "bytes": 4 * padded}
+    # One collective per FSDP unit: 2 + 2 blocks, the (tied) embedding + head, the root's final norms.
+    assert required[("all_gather", "dp")] == {"count": 2 * 2 + 2, "bytes": 4 * padded}
+    assert required[("reduce_scatter", "dp")] == {"count": 2 * 2 + 2, "bytes": 4 * padded}
+
+
+@pytest.mark.parametrize("overrides, fused", [([], True), (["train.fused_loss=false"], False),
+                                              (["parallel.tp=2"], False)])  # tp > 1: loss_parallel on logits
+def test_a_head_fused_with_the_loss_is_not_gathered_for_its_backward_pass(config, overrides, fused):
+    """ZeRO-3, untied head: its fused loss's backward pass does not read the weight (one all-gather of
+    [vocab, d_model] less per micro-batch); the run's layout says whether the trainer fuses it."""
+    run = load_config(config, [f"train.output_dir={config.parent}", "parallel.dp=2", "parallel.zero_stage=3",
+                               *overrides])
+    layout = comm_layout(run, None)
+    assert layout.fused_head_loss is fused
+    model = T5Config(**TINY_MODEL, tie_word_embeddings=False)
+    shapes = Shapes(micro_batch_size=2, accumulation=3, inputs_length=64, targets_length=14)
+    unfused, fused_ = (totals(step_requirements(model, shapes, Layout(dp=2, zero_stage=3, fused_head_loss=f)))
+                       for f in (False, True))
+    head = TINY_MODEL["vocab_size"] * TINY_MODEL["d_model"]  # an even vocabulary: no FSDP padding at dp=2
+    assert unfused[("all_gather", "dp")]["count"] - fused_[("all_gather", "dp")]["count"] == 3
+    assert unfused[("all_gather", "dp")]["bytes"] - fused_[("all_gather", "dp")]["bytes"] == 3 * head * 4
+    assert {k: v for k, v in unfused.items() if k != ("all_gather", "dp")} == \
+        {k: v for k, v in fused_.items() if k != ("all_gather", "dp")}
+
+
+def test_zero1_sections_hold_every_norm_element_once_over_the_dp_ranks():
+    """ZeRO-1 at dp=3 under sequence parallelism, with small buckets (sections cut through parameters): every
+    rank reduce-scatters and all-gathers the same padded buckets, and the norm-weight elements whose partial
+    sums the dp ranks all-reduce over tp add up to every norm element exactly once."""
+    config = T5Config(**TINY_MODEL)
+    shapes = Shapes(micro_batch_size=2, accumulation=1, inputs_length=64, targets_length=14)
+    with torch.device("meta"):
+        norms = sum(p.numel() for n, p in T5ForConditionalGeneration(config).named_parameters() if "layer_norm" in n)
+    layout = Layout(dp=3, tp=2, zero_stage=1, sequence_parallel=True, bucket_bytes=4096)
+    required = [totals(step_requirements(config, shapes, layout, dp_rank=r)) for r in range(3)]
+    buckets = [r[("reduce_scatter", "dp")] for r in required]
+    assert buckets[0]["count"] > 3 and all(b == buckets[0] for b in buckets)
+    assert buckets[0]["bytes"] % (3 * 4) == 0
+    assert all(r[("all_gather", "dp")] == b for r, b in zip(required, buckets))
+    assert ("broadcast", "dp") not in required[0]
+    cross_entropy = 3 * 2 * 14 * 4  # besides the norms, each rank all-reduces three fp32 [b, T] over tp
+    assert sum(r[("all_reduce", "tp")]["bytes"] for r in required) == 3 * cross_entropy + 4 * norms
 
 
 def test_the_recorder_names_the_group_and_times_the_wait(tmp_path):

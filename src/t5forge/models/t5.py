@@ -489,6 +489,22 @@ def named_blocks(stack: T5Stack) -> list[tuple[int, nn.Module]]:
     return [(int(i), block) for i, block in items if len(block.layer) == complete]
 
 
+class T5LMHead(nn.Linear):
+    """The LM head: nn.Linear(d_model, vocab_size, bias=False), HF's `lm_head.weight`. Given `labels`
+    [batch, target_len], it returns the summed token loss instead of logits, fused with the projection
+    (models/loss.py: the logits of the whole batch never exist). The fused loss is a call of this module
+    too, so what is applied to the head from outside (FSDP's gathering of a sharded weight) serves it."""
+
+    def __init__(self, config: T5Config):
+        super().__init__(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states [batch, len, d_model] -> logits [batch, len, vocab], or with labels the loss sum []."""
+        if labels is None:
+            return super().forward(hidden_states)
+        return linear_cross_entropy_sum(hidden_states, self.weight, labels)
+
+
 @dataclass
 class Seq2SeqLMOutput:
     """Batch-first outputs. `loss` is the mean cross-entropy over labels != -100, `loss_sum` their sum."""
@@ -510,7 +526,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(config, is_decoder=False)
         self.decoder = T5Stack(config, is_decoder=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = T5LMHead(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
 
@@ -629,7 +645,7 @@ class T5ForConditionalGeneration(nn.Module):
             if return_logits:
                 loss_sum = token_loss_sum(logits, labels)
             else:
-                loss_sum = linear_cross_entropy_sum(hidden_states, self.lm_head.weight, labels)
+                loss_sum = self.lm_head(hidden_states, labels=labels)
             loss = loss_sum / (labels != -100).sum()
         return Seq2SeqLMOutput(logits=logits, loss=loss, loss_sum=loss_sum,
                                encoder_last_hidden_state=encoder_hidden_states)

@@ -17,7 +17,7 @@ Tensor parallel (Megatron's split), per micro-batch, over tp:
 - with sequence parallelism every one of those all-reduces becomes an all-gather + a reduce-scatter of the
   same bytes, and the encoder output is all-gathered once in the forward pass (reduce-scattered in the
   backward pass); the norm weights' gradients (partial sums: each rank saw its own tokens) are summed in
-  one all-reduce per step (under ZeRO-1 only those of the norms the rank owns);
+  one all-reduce per step (under ZeRO-1 only the norm-weight elements in the rank's sections);
 - the vocabulary-parallel cross-entropy: three all-reduces of [b, T] fp32 (max logit, sum of
   exponentials, target logit), as in Megatron;
 - full activation checkpointing recomputes every block's forward pass in the backward pass, its
@@ -26,11 +26,14 @@ Tensor parallel (Megatron's split), per micro-batch, over tp:
 
 Data parallel, over dp, once per step (gradient accumulation communicates only on the last micro-batch):
 - ZeRO-0: one all-reduce per gradient bucket (data_parallel.GradientBuckets), every gradient element once;
-- ZeRO-1: one reduce-scatter per bucket, and one all-gather per bucket of the updated parameters (on gloo,
-  which cannot gather uneven sections: one broadcast per rank's section, the same bytes);
-- ZeRO-2/3 (FSDP2): one all-gather of each FSDP unit's parameters (each T5 block; the root: embedding,
-  head, final norms) in the forward pass, once per step with ZeRO-2 (kept gathered across micro-batches),
-  per micro-batch with ZeRO-3, which also all-gathers every block again in the backward pass; one
+- ZeRO-1: one reduce-scatter per bucket, and one all-gather per bucket of the updated parameters, each of the
+  bucket padded to dp equal sections (data_parallel.shard_section); the padding is part of the bytes;
+- ZeRO-2/3 (FSDP2): one all-gather of each FSDP unit's parameters (data_parallel.apply_fsdp: each T5
+  block, the embedding, the LM head, one unit with the embedding when tied, and the root: the final norms)
+  in the forward pass, once per step with ZeRO-2 (kept gathered across micro-batches), per micro-batch
+  with ZeRO-3 (the untied embedding twice: for the encoder's and the decoder's lookups), which also
+  all-gathers every block and the untied head again in the backward pass (not the embedding, whose
+  backward pass does not read it, nor the head when fused with the loss: Layout.fused_head_loss); one
   reduce-scatter of each unit's gradients. FSDP2 pads dim 0 of every parameter to a multiple of dp; the
   padding is part of the bytes.
 
@@ -58,7 +61,7 @@ import torch
 
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
-from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, assign_owners, partition_buckets
+from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets, section_ranges, shard_section
 from t5forge.parallel.pipeline import (
     StageSpec,
     boundary_shapes,
@@ -85,6 +88,7 @@ class Layout:
     activation_checkpointing: str = "none"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     pp_layers: tuple[int, ...] = ()  # blocks per pipeline stage (pipeline.split_blocks) when pp > 1
+    fused_head_loss: bool = False  # the LM head fused with the loss: its backward pass does not read the weight
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,15 @@ def _local_stages(config: T5Config, layout: Layout, pp_rank: int) -> tuple[list[
 
 def _fsdp_units(params: list[tuple[str, tuple[int, ...]]], num_layers: int,
                 num_decoder_layers: int) -> dict[str, list]:
+    """data_parallel.apply_fsdp's units: each block, the embedding, the head (none when tied: its parameter
+    is the embedding's, listed once) and the root (the final norms)."""
     units: dict[str, list] = {f"encoder.block.{i}.": [] for i in range(num_layers)}
     units.update({f"decoder.block.{i}.": [] for i in range(num_decoder_layers)})
-    units["root"] = []
+    units.update({"shared.": [], "lm_head.": [], "root": []})
     for name, shape in params:
         prefix = next((u for u in units if name.startswith(u)), "root")
         units[prefix].append((name, shape))
-    return units
+    return {unit: members for unit, members in units.items() if members}
 
 
 def _padded(shape: tuple[int, ...], dp: int) -> int:
@@ -159,19 +165,19 @@ def _padded(shape: tuple[int, ...], dp: int) -> int:
     return math.ceil(shape[0] / dp) * dp * math.prod(shape[1:])
 
 
-def _owned_parameters(config: T5Config, layout: Layout, dp_rank: int,
-                      stages: list[StageSpec] | None = None) -> list[tuple[str, tuple[int, ...]]]:
-    """The parameters whose gradients rank `dp_rank` keeps after the gradient reduction: all of them, except
-    under ZeRO-1, where each bucket's parameters have one owner (data_parallel.assign_owners)."""
-    params = [(n, _local_shape(n, s, layout.tp)) for n, s in _parameters(config, stages)]
+def _kept_elements(config: T5Config, layout: Layout, dp_rank: int,
+                   stages: list[StageSpec] | None = None) -> list[tuple[str, int]]:
+    """(name, elements) of the gradients rank `dp_rank` keeps after the gradient reduction: every parameter
+    whole, except under ZeRO-1, where it keeps the elements of its section of each bucket
+    (data_parallel.section_ranges)."""
+    params = [(n, math.prod(_local_shape(n, s, layout.tp))) for n, s in _parameters(config, stages)]
     if layout.zero_stage != 1 or layout.dp == 1:
         return params
-    sizes = [math.prod(s) for _, s in params]
-    owned = []
-    for bucket in partition_buckets(sizes, FP32, layout.bucket_bytes):
-        owners = assign_owners([sizes[i] for i in bucket], layout.dp)
-        owned += [params[i] for i, o in zip(bucket, owners) if o == dp_rank]
-    return owned
+    kept = []
+    for bucket in partition_buckets([size for _, size in params], FP32, layout.bucket_bytes):
+        ranges = section_ranges([params[i][1] for i in bucket], layout.dp, dp_rank)
+        kept += [(params[bucket[j]][0], stop - start) for j, start, stop in ranges]
+    return kept
 
 
 def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank: int = 0,
@@ -220,8 +226,8 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 need(mirror, "tp", M * 3 * L_d, dec, FP32, f"decoder sub-layer inputs, {phase}")
                 need(mirror, "tp", M, enc, FP32, f"encoder output, {phase}")
                 need(mirror, "tp", M, dec, FP32, f"LM head input, {phase}")
-            norms = [n for n, _ in _owned_parameters(config, layout, dp_rank, stages) if "layer_norm" in n]
-            need("all_reduce", "tp", 1, len(norms) * d, FP32, "norm-weight gradients (partial sums)")
+            norms = sum(size for n, size in _kept_elements(config, layout, dp_rank, stages) if "layer_norm" in n)
+            need("all_reduce", "tp", 1 if norms else 0, norms, FP32, "norm-weight gradients (partial sums)")
         need("all_reduce", "tp", M * 3 * head, b * T, FP32, "vocabulary-parallel cross-entropy")
         if layout.activation_checkpointing == "full":  # each block's forward again, in the backward pass
             # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's
@@ -258,19 +264,24 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
                 if zero == 0:
                     need("all_reduce", "dp", 1, elements, FP32, "gradient bucket")
                 else:
-                    need("reduce_scatter", "dp", 1, elements, FP32, "gradient bucket")
-                    if layout.backend == "gloo":  # one broadcast per rank's section, the same bytes
-                        out.append(Requirement("broadcast", "dp", dp, elements * FP32, "parameter bucket"))
-                    else:
-                        need("all_gather", "dp", 1, elements, FP32, "parameter bucket")
+                    padded = shard_section(elements, dp) * dp
+                    need("reduce_scatter", "dp", 1, padded, FP32, "gradient bucket")
+                    need("all_gather", "dp", 1, padded, FP32, "parameter bucket")
         else:
             param_size = 2 if layout.precision == "bf16" else FP32  # FSDP's param_dtype
             gathers = 1 if zero == 2 else M
             for unit, members in _fsdp_units(params, config.num_layers, config.num_decoder_layers).items():
                 elements = sum(_padded(s, dp) for _, s in members)
-                need("all_gather", "dp", gathers, elements, param_size, f"FSDP unit {unit.rstrip('.')}, forward")
-                if zero == 3 and unit != "root":
-                    need("all_gather", "dp", M, elements, param_size, f"FSDP unit {unit.rstrip('.')}, backward")
+                # ZeRO-3 frees the untied embedding after each of its two lookups and does not gather it for
+                # its backward pass, nor the untied head when fused with the loss; a tied embedding + head and
+                # the root stay gathered into the backward pass.
+                embedding = unit == "shared."
+                kept = unit == "root" or (embedding and config.tie_word_embeddings)
+                unread = embedding or (unit == "lm_head." and layout.fused_head_loss)
+                forward = 2 * M if zero == 3 and embedding and not kept else gathers
+                backward = M if zero == 3 and not kept and not unread else 0
+                need("all_gather", "dp", forward, elements, param_size, f"FSDP unit {unit.rstrip('.')}, forward")
+                need("all_gather", "dp", backward, elements, param_size, f"FSDP unit {unit.rstrip('.')}, backward")
                 need("reduce_scatter", "dp", 1, elements, FP32, f"FSDP unit {unit.rstrip('.')} gradients")
         need("all_reduce", "dp", 1, 1, FP64, "target tokens of the global batch")
     loss_dims = [dim for dim, size in (("pp", pp), ("dp", dp)) if size > 1]

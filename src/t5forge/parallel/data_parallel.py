@@ -4,11 +4,12 @@ What each stage shards across the dp ranks, and when data moves:
 - 0: nothing. Every rank keeps all parameters, gradients and optimizer state. Gradients are averaged over
      dp in buckets of ~25 MB that are all-reduced *during* the backward pass, as soon as every gradient
      of a bucket is final (DDP's scheme), so communication overlaps the rest of the backward pass.
-- 1: optimizer state (Megatron's distributed optimizer). Each bucket is reduce-scattered instead:
-     every rank receives the averaged gradients of the parameters it owns in that bucket, updates only
-     those, and the buckets of updated parameters are all-gathered afterwards: the bytes of one
-     all-reduce, optimizer memory / dp, and gradient memory of the parameters a rank does not own is
-     freed after the step.
+- 1: optimizer state (Megatron's distributed optimizer). Each bucket's flat buffer is padded to a
+     multiple of dp x SHARD_ALIGNMENT elements and cut into dp equal sections, through parameters; rank r
+     receives the averaged gradients of section r by a reduce-scatter, updates only those elements
+     (through 1-D views of the parameters' storage: `ShardView`), and the sections are all-gathered
+     afterwards: the bytes of one all-reduce (plus the padding), optimizer memory / dp on every rank
+     alike, and the full gradients are freed once reduced.
 - 2: optimizer state and gradients (FSDP2 `fully_shard`, reshard_after_forward=False). Parameters are
      all-gathered per block in the forward pass and stay gathered through the backward pass (and the
      micro-batches of a step: the trainer sets reshard_after_backward on the last one only); gradients
@@ -22,6 +23,8 @@ with the same-shard ranks of the other dp replicas), and one code path serves ev
 are averaged over dp in every stage; the trainer scales the loss accordingly."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,10 +51,22 @@ def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def reshard_after_forward(model: T5ForConditionalGeneration, unit: nn.Module, zero_stage: int) -> bool:
+    """apply_fsdp's reshard_after_forward for FSDP unit `unit` of `model`: under ZeRO-3 every unit but the root
+    and a tied embedding + head (see apply_fsdp); under ZeRO-2 none."""
+    tied = model.config.tie_word_embeddings and (unit is model.shared or unit is model.lm_head)
+    return zero_stage == 3 and unit is not model and not tied
+
+
 def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stage: int,
-               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32):
-    """ZeRO-2/3 with FSDP2: one group per T5Block, the root group holds the (tied) embedding, the head
-    and the final norms, which are used at both ends of the step."""
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+               fused_head_loss: bool = False):
+    """ZeRO-2/3 with FSDP2. Units: each T5Block; the embedding (`shared`); the LM head (one unit with the
+    embedding when tied, as they are one parameter); the root holds the rest (the final norms).
+
+    `fused_head_loss`: the head's backward pass never reads its weight, as when training calls it only with
+    labels (T5LMHead: models/loss.py computes both gradients in its forward pass, the backward pass scales
+    them): then an untied head is not all-gathered again for its backward pass."""
     if zero_stage not in (2, 3):
         raise ConfigError(f"apply_fsdp implements ZeRO stages 2 and 3, not {zero_stage}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -59,10 +74,24 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     for stack in (model.encoder, model.decoder):
         for block in stack.block:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    # The root (embedding, head, final norms) stays gathered from the end of the forward pass into the
-    # backward pass, which starts with the head (PyTorch's recommendation for roots: it would be
-    # all-gathered again at once). Resharding it also fails in torch 2.11's backward ("setStorage ...
-    # storage of size 0": the embedding is used twice).
+    # The embedding and the head are most of a large-vocabulary model (mT5: 2 x 250k x d_model): under ZeRO-3
+    # each is gathered for its use and freed after it, as TorchTitan's token embedding and output units. The
+    # embedding is gathered for each of its two lookups (encoder and decoder ids) and not at all in the
+    # backward pass, which does not read it. The fused loss is a call of the head module: gathered for it too.
+    if model.config.tie_word_embeddings:
+        # One parameter, used at both ends of the forward pass and first in the backward pass: freeing it in
+        # between would only gather it again, and its gathered copy is there at the start of the backward
+        # pass (the memory peak) either way. The unit is freed after the backward pass.
+        fully_shard([model.shared, model.lm_head], mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    else:
+        head = fully_shard(model.lm_head, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if fused_head_loss:  # one all-gather of [vocab, d_model] less per micro-batch, and no copy at its backward
+            head.set_unshard_in_backward(False)
+        embedding = fully_shard(model.shared, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        embedding.set_unshard_in_backward(False)
+    # The root (the final norms, a few kB) stays gathered from the end of the forward pass into the
+    # backward pass, which starts with it (PyTorch's recommendation for roots: it would be all-gathered
+    # again at once).
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     if dp_mesh.device_type == "cpu":
         # gloo has no averaging reduce-scatter, and torch 2.8 sums silently when asked for one (gradients
@@ -73,14 +102,18 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     return model
 
 
-def shard_gradient_like_parameter(param: nn.Parameter) -> None:
-    """The embedding gradient comes back replicated under TP: keep this rank's rows, as the parameter
-    (partial sums over tp, of sequence-parallel norms, stay as they are: they are summed over tp after
-    the dp reduction, all at once: tensor_parallel.reduce_partial_gradients)."""
+def check_gradient_placement(param: nn.Parameter) -> None:
+    """Raise unless `param`'s gradient holds the same part of the tensor as the parameter (partial sums over
+    tp, of sequence-parallel norms, aside: they are summed over tp after the dp reduction, all at once:
+    tensor_parallel.reduce_partial_gradients). The flat buffers reduce local gradients as if they were the
+    parameters' shards; every tp plan keeps that true (the embedding is vocabulary-parallel:
+    tensor_parallel.VocabParallelEmbedding), and a plan that broke it would otherwise average wrong rows.
+    Placements are metadata: no device work, no host read."""
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements \
             and not any(pl.is_partial() for pl in grad.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+        raise RuntimeError(f"a gradient came back as {grad.placements}, its parameter is {param.placements}: the "
+                           "tensor-parallel plan must keep every gradient in its parameter's placement")
 
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -101,13 +134,39 @@ def partition_buckets(sizes: list[int], element_size: int, bucket_bytes: int) ->
     return buckets
 
 
-def assign_owners(sizes: list[int], ranks: int) -> list[int]:
-    """ZeRO-1: the rank that updates each parameter of a bucket (largest first, to the least loaded rank)."""
-    owner, load = [0] * len(sizes), [0] * ranks
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner[i] = min(range(ranks), key=lambda r: load[r])
-        load[owner[i]] += sizes[i]
-    return owner
+SHARD_ALIGNMENT = 64  # elements: every ZeRO-1 section starts 256 bytes (fp32) after the previous one
+
+
+def shard_section(total: int, ranks: int) -> int:
+    """ZeRO-1: elements of each of the `ranks` equal sections of a flat bucket of `total` elements (padded
+    with zeros to a multiple of ranks x SHARD_ALIGNMENT)."""
+    unit = ranks * SHARD_ALIGNMENT
+    return -(-total // unit) * unit // ranks
+
+
+def section_ranges(sizes: list[int], ranks: int, rank: int) -> list[tuple[int, int, int]]:
+    """ZeRO-1: (index, start, stop) for every parameter of a bucket (of `sizes` elements each, laid out one
+    after another in bucket order) that intersects the section of `rank`: elements start:stop of the
+    flattened parameter are that rank's to update."""
+    section = shard_section(sum(sizes), ranks)
+    begin, end = rank * section, (rank + 1) * section
+    out, offset = [], 0
+    for i, size in enumerate(sizes):
+        start, stop = max(begin, offset), min(end, offset + size)
+        if start < stop:
+            out.append((i, start - offset, stop - offset))
+        offset += size
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class ShardView:
+    """Elements start:stop of a parameter's (local, under TP) flattened tensor, as a 1-D tensor that shares its
+    storage (`view`): the ZeRO-1 optimizer updates views, which updates the parameters in place."""
+    param: nn.Parameter
+    view: torch.Tensor
+    start: int
+    stop: int
 
 
 class GradientBuckets:
@@ -121,12 +180,13 @@ class GradientBuckets:
     the averaged gradients back. With `overlap=False` every collective starts in `finish()` instead:
     the same bytes, for measuring what overlap gains.
 
-    ZeRO-1 (`shard=True`): in every bucket each parameter has one owner rank (largest first, to the least
-    loaded rank), so optimizer state stays per parameter and checkpoints reshard like any other layout.
-    The flat buffer holds the ranks' sections one after another, unpadded, and is reduce-scattered with
-    uneven sections (NCCL runs it as grouped reduces), so a rank receives exactly its own parameters'
-    gradients; after the optimizer step `all_gather_parameters()` gathers the updated sections in the
-    same layout. Every gradient element crosses the network as in one all-reduce, no more."""
+    ZeRO-1 (`shard=True`, Megatron's distributed optimizer): each bucket's flat buffer is padded to equal,
+    aligned sections (`shard_section`), one per rank, cut through parameters. A rank updates the elements
+    of its sections through `shard_views()`; `finish()` reduce-scatters each bucket and gives each view the
+    averaged gradient of its elements (the parameters' own gradients are freed), and after the optimizer
+    step `all_gather_parameters()` gathers every section back into every rank's parameters. Equal
+    sections need no uneven collectives (NCCL and gloo alike), and optimizer memory is the same on every
+    rank, whatever the sizes of the parameters (a 250k-word embedding included)."""
 
     def __init__(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup, shard: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True):
@@ -148,26 +208,25 @@ class GradientBuckets:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def _layout(self, bucket: list[nn.Parameter]) -> dict:
-        """Owner of each parameter, its offset in the flat buffer, and where each rank's section starts."""
+        """Offsets of the parameters in the flat buffer, its (padded) length, and under ZeRO-1 this rank's
+        section and the views of the elements in it."""
         sizes = [local(p).numel() for p in bucket]
-        owner = assign_owners(sizes, self.size) if self.shard else [self.rank] * len(bucket)
-        load = [0] * self.size
-        for size, o in zip(sizes, owner):
-            load[o] += size
-        starts = [sum(load[:r]) for r in range(self.size)]
-        offsets, filled = [0] * len(bucket), list(starts)
-        for i in range(len(bucket)):
-            offsets[i] = filled[owner[i]]
-            filled[owner[i]] += sizes[i]
-        return {"owner": owner, "offset": offsets, "starts": starts, "sizes": load, "total": sum(load)}
+        offsets = [sum(sizes[:i]) for i in range(len(bucket))]
+        if not self.shard:
+            return {"offset": offsets, "total": sum(sizes), "views": []}
+        section = shard_section(sum(sizes), self.size)
+        with torch.no_grad():  # views of the parameters' storage, not part of any graph
+            views = [(ShardView(bucket[i], local(bucket[i]).detach().view(-1)[start:stop], start, stop),
+                      offsets[i] + start - self.rank * section)  # where its gradient is in the reduced section
+                     for i, start, stop in section_ranges(sizes, self.size, self.rank)]
+        return {"offset": offsets, "total": section * self.size, "section": section, "views": views}
 
-    def owned(self) -> list[nn.Parameter]:
-        """The parameters this rank updates (all of them without sharding)."""
-        return [p for bucket, layout in zip(self.buckets, self.layouts)
-                for p, o in zip(bucket, layout["owner"]) if o == self.rank]
+    def shard_views(self) -> list[ShardView]:
+        """ZeRO-1: the views of the elements this rank updates, in bucket order; at most one per parameter."""
+        return [view for layout in self.layouts for view, _ in layout["views"]]
 
     def communicated_elements(self) -> int:
-        """Elements of the flat buffers reduced per step: every gradient element once."""
+        """Elements of the flat buffers reduced per step: every gradient element once (and ZeRO-1's padding)."""
         return sum(layout["total"] for layout in self.layouts)
 
     def wait_seconds(self) -> float:
@@ -179,12 +238,10 @@ class GradientBuckets:
     def _add_wait(self, seconds: float) -> None:
         self._wait_s += seconds
 
-    def _sections(self, flat: torch.Tensor, layout: dict) -> list[torch.Tensor]:
-        return [flat[start:start + size] for start, size in zip(layout["starts"], layout["sizes"])]
-
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.launched: list = [None] * len(self.buckets)  # (work, reduced buffer) per started bucket
+        self.partial: dict = {}  # id of a parameter whose gradient was a partial sum over tp -> its mesh
         self.next_bucket = 0
 
     def _on_gradient(self, param: nn.Parameter) -> None:
@@ -201,7 +258,9 @@ class GradientBuckets:
     def _launch(self, i: int) -> None:
         bucket, layout = self.buckets[i], self.layouts[i]
         for p in bucket:
-            shard_gradient_like_parameter(p)
+            check_gradient_placement(p)
+        self.partial.update({id(p): p.grad.device_mesh for p in bucket
+                             if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)})
         grads = [local(p.grad) if p.grad is not None else None for p in bucket]
         device = next(local(p).device for p in bucket)
         dtype = next((g.dtype for g in grads if g is not None), torch.float32)
@@ -210,8 +269,10 @@ class GradientBuckets:
             if g is not None:
                 flat[offset:offset + g.numel()].copy_(g.reshape(-1))
         if self.shard:
-            out = torch.empty(layout["sizes"][self.rank], dtype=dtype, device=device)
-            work = dist.reduce_scatter(out, self._sections(flat, layout), group=self.group, async_op=True)
+            out = torch.empty(layout["section"], dtype=dtype, device=device)
+            # (torch 2.13 renamed the single-tensor collectives; 2.8 has only the old names)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = reduce_scatter(out, flat, group=self.group, async_op=True)
             self.launched[i] = (work, out)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -221,7 +282,7 @@ class GradientBuckets:
     @torch.no_grad()
     def finish(self) -> None:
         """After the last backward pass of the step: every parameter's gradient is averaged over dp (ZeRO-0),
-        or only the owned parameters have one (ZeRO-1; the others' gradients are freed)."""
+        or (ZeRO-1) every shard view has the averaged gradient of its elements and the parameters have none."""
         if self.size == 1:
             return
         for i in range(self.next_bucket, len(self.buckets)):
@@ -230,40 +291,57 @@ class GradientBuckets:
         for bucket, layout, (work, reduced) in zip(self.buckets, self.layouts, self.launched):
             work.wait()
             reduced.div_(self.size)
-            base = layout["starts"][self.rank]
-            for p, owner, offset in zip(bucket, layout["owner"], layout["offset"]):
-                if owner != self.rank:
+            if self.shard:
+                for p in bucket:
                     p.grad = None
-                    continue
+                for view, at in layout["views"]:
+                    view.view.grad = reduced[at:at + view.view.numel()]
+                continue
+            for p, offset in zip(bucket, layout["offset"]):
                 if p.grad is None:  # unused on this rank, used on another: the average is still due
                     p.grad = torch.zeros_like(p)
                 g = local(p.grad)
-                g.copy_(reduced[offset - base:offset - base + g.numel()].view_as(g))
+                g.copy_(reduced[offset:offset + g.numel()].view_as(g))
+        if self.shard:
+            self._sum_partial_views()
         self._wait_timer.stop(started, self._add_wait)
         self._reset()
 
+    def _sum_partial_views(self) -> None:
+        """Under sequence parallelism the norm weights' gradients are partial sums over tp (each tp rank saw
+        its own tokens). ZeRO-1 sums those of this rank's views in one all-reduce over tp (the tp ranks of a
+        dp rank have the same sections); tensor_parallel.reduce_partial_gradients does it for whole
+        gradients in the other stages."""
+        views = [view.view for view in self.shard_views() if id(view.param) in self.partial]
+        if not views:
+            return
+        meshes = {id(mesh): mesh for mesh in self.partial.values()}
+        if len(meshes) != 1 or (mesh := next(iter(meshes.values()))).ndim != 1:
+            raise NotImplementedError("partial gradients on several meshes or on a mesh of more than one dimension")
+        flat = torch.cat([v.grad for v in views])
+        dist.all_reduce(flat, group=mesh.get_group())
+        offset = 0
+        for v in views:
+            v.grad = flat[offset:offset + v.numel()]
+            offset += v.numel()
+
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
-        """ZeRO-1, after the optimizer step: every rank receives the parameters the others updated."""
+        """ZeRO-1, after the optimizer step: every rank receives the sections the others updated."""
         if not self.shard or self.size == 1:
             return
         pending = []
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for bucket, layout in zip(self.buckets, self.layouts):
             data = [local(p.detach()) for p in bucket]
             flat = torch.empty(layout["total"], dtype=data[0].dtype, device=data[0].device)
-            for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
-                if owner == self.rank:
-                    flat[offset:offset + d.numel()].copy_(d.reshape(-1))
-            sections = self._sections(flat, layout)
-            if flat.device.type == "cuda":  # NCCL gathers uneven sections (as grouped broadcasts)
-                works = [dist.all_gather(sections, sections[self.rank].clone(), group=self.group, async_op=True)]
-            else:  # gloo's all_gather needs equal sizes: the same bytes as one broadcast per section
-                works = [dist.broadcast(section, src=dist.get_global_rank(self.group, r), group=self.group,
-                                        async_op=True) for r, section in enumerate(sections)]
-            pending.append((works, flat, data))
-        for (works, flat, data), layout in zip(pending, self.layouts):
-            for work in works:
-                work.wait()
-            for d, owner, offset in zip(data, layout["owner"], layout["offset"]):
-                if owner != self.rank:
-                    d.copy_(flat[offset:offset + d.numel()].view_as(d))
+            section = layout["section"]
+            own = flat[self.rank * section:(self.rank + 1) * section]
+            own.zero_()  # the padding, if this section has any
+            for view, at in layout["views"]:
+                own[at:at + view.view.numel()].copy_(view.view)
+            pending.append((all_gather(flat, own, group=self.group, async_op=True), flat, data))
+        for (work, flat, data), layout in zip(pending, self.layouts):
+            work.wait()
+            for d, offset in zip(data, layout["offset"]):
+                d.copy_(flat[offset:offset + d.numel()].view_as(d))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -30,7 +31,7 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.hf import HFTensorReader, load_dtype
 from t5forge.models.t5 import T5ForConditionalGeneration, named_blocks, stacks
 from t5forge.parallel.activation_checkpoint import apply_ac
-from t5forge.parallel.data_parallel import apply_fsdp, local
+from t5forge.parallel.data_parallel import apply_fsdp, local, reshard_after_forward
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.tensor_parallel import apply_tp
 
@@ -107,8 +108,11 @@ def compile_warning(since: dict[str, int]) -> str | None:
 
 
 def parallelize_t5(model: T5ForConditionalGeneration, mesh: Mesh, parallel: ParallelConfig,
-                   precision: str = "fp32", compile: bool = False) -> T5ForConditionalGeneration:
-    """Tensor parallel -> activation checkpointing -> compile -> FSDP (ZeRO 2/3), in place; returns `model`."""
+                   precision: str = "fp32", compile: bool = False,
+                   fused_head_loss: bool = False) -> T5ForConditionalGeneration:
+    """Tensor parallel -> activation checkpointing -> compile -> FSDP (ZeRO 2/3), in place; returns `model`.
+    `fused_head_loss`: training calls the LM head only with labels, fused with the loss (its backward pass
+    does not read the weight: data_parallel.apply_fsdp)."""
     if parallel.tp > 1:
         apply_tp(model, mesh.mesh["tp"], sequence_parallel=parallel.sequence_parallel)
     apply_ac(model, parallel.activation_checkpointing)
@@ -116,8 +120,30 @@ def parallelize_t5(model: T5ForConditionalGeneration, mesh: Mesh, parallel: Para
         apply_compile(model)
     if parallel.zero_stage >= 2:
         param_dtype = COMPUTE_DTYPES[precision] if precision == "bf16" else None
-        apply_fsdp(model, mesh.mesh["dp"], parallel.zero_stage, param_dtype=param_dtype)
+        apply_fsdp(model, mesh.mesh["dp"], parallel.zero_stage, param_dtype=param_dtype,
+                   fused_head_loss=fused_head_loss)
     return model
+
+
+@contextlib.contextmanager
+def fsdp_gathered(model: T5ForConditionalGeneration, zero_stage: int):
+    """Every FSDP unit of `model` (ZeRO-2/3) all-gathered once for the duration and kept so, then resharded
+    and given back apply_fsdp's reshard_after_forward: for generation, which runs the blocks, the embedding
+    and the head once per token (ZeRO-3 would all-gather them again for each). It holds the full model on
+    every rank meanwhile, as generation under ZeRO-3 does in TorchTitan and HF accelerate. FSDP must have
+    been set up by one forward pass of the root first. A manually unsharded unit is still resharded after its
+    forward pass when reshard_after_forward is set (torch 2.8 to 2.13): hence set_reshard_after_forward."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for handle in [unit.unshard(async_op=True) for unit in units]:  # issued together, then waited for
+        handle.wait()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward(model, unit, zero_stage), recurse=False)
 
 
 def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:

@@ -41,7 +41,7 @@ from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.flops import block_forward_flops
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks
-from t5forge.parallel.data_parallel import local, shard_gradient_like_parameter
+from t5forge.parallel.data_parallel import local
 from t5forge.parallel.parallelize import full_parameters, unwrap_name
 
 
@@ -341,8 +341,6 @@ class TiedParameters:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         for group, params in self.groups:
-            for p in params:
-                shard_gradient_like_parameter(p)
             grads = [local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)

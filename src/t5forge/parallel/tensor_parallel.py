@@ -5,9 +5,10 @@ split column-wise (each rank holds num_heads / tp heads, d_ff / tp hidden units)
 (their partial sums meet in one all-reduce per sub-layer; the input gradients meet in one all-reduce per
 sub-layer in the backward pass), and the relative position bias is split on
 its heads dimension, so every rank computes the bias of its own heads. The shared embedding is split on
-the vocabulary (one all-reduce of its output) and the LM head too: logits stay sharded on the
-vocabulary and the loss is computed under `loss_parallel()`, so full logits are never gathered. A tied
-head (T5 v1.0) is re-tied to the sharded embedding, whose vocabulary split it shares.
+the vocabulary as Megatron's VocabParallelEmbedding (`VocabParallelEmbedding`: each rank looks up the ids of
+its range, one all-reduce of the output; its gradient stays the rank's rows) and the LM head too: logits
+stay sharded on the vocabulary and the loss is computed under `loss_parallel()`, so full logits are never
+gathered. A tied head (T5 v1.0) is re-tied to the sharded embedding, whose vocabulary split it shares.
 
 With sequence_parallel, the residual stream between sub-layers is split on the sequence dimension:
 norms and dropout run on 1/tp of the tokens, and each sub-layer all-gathers its input and
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -32,6 +35,51 @@ from torch.distributed.tensor.parallel import (
 
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks, stacks
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """Megatron's vocabulary-parallel embedding for an nn.Embedding: the weight becomes a DTensor split on the
+    vocabulary (Shard(0)); each rank looks up the ids of its own range in its rows (zeros for the others) and
+    the partial sums meet in one all-reduce (`output_layout` Replicate()) or reduce-scatter on the sequence
+    (Shard(1), sequence parallelism). The backward pass stays local: the weight gradient is this rank's
+    [vocab / tp, d_model] rows. DTensor's own sharding of the lookup (RowwiseParallel) computes that gradient
+    over the full vocabulary on every rank, and keeps a slice of it.
+
+    Ids come in as a plain [batch, len] tensor, the same on every rank; the output is [batch, len, d_model], a
+    plain tensor when `use_local_output` (replicated), else a DTensor in `output_layout`."""
+
+    def __init__(self, *, output_layout: Placement = Replicate(), use_local_output: bool = True):
+        super().__init__()
+        self.output_layout, self.use_local_output = output_layout, use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise NotImplementedError(f"VocabParallelEmbedding shards a plain nn.Embedding, not {module}")
+        if device_mesh.ndim != 1 or module.num_embeddings % device_mesh.size():
+            raise ConfigError(f"VocabParallelEmbedding needs a 1-D mesh whose size divides the vocabulary "
+                              f"({module.num_embeddings}), got {device_mesh}")
+        weight = module.weight
+        module.weight = nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)],
+                                                       src_data_rank=self.src_data_rank),
+                                     requires_grad=weight.requires_grad)
+        rows = module.num_embeddings // device_mesh.size()
+        start = device_mesh.get_local_rank() * rows
+        output_layout, use_local_output = self.output_layout, self.use_local_output
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            # module.weight, not `weight` above: FSDP swaps in its gathered parameter (a DTensor on this mesh).
+            local_weight = module.weight.to_local()  # its gradient comes back as a Shard(0) DTensor of it
+            outside = (ids < start) | (ids >= start + rows)
+            embedded = F.embedding((ids - start).masked_fill(outside, 0), local_weight)
+            embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+            # Partial -> Replicate / Shard(1) is an all-reduce / reduce-scatter; its backward hands the
+            # (replicated, or all-gathered) output gradient to every rank as it is.
+            out = DTensor.from_local(embedded, device_mesh, [Partial()], run_check=False)
+            out = out.redistribute(device_mesh, [output_layout], async_op=True)
+            return out.to_local() if use_local_output else out
+
+        module.forward = forward
+        return module
 
 
 def block_plan(block, sequence_parallel: bool) -> dict:
@@ -74,7 +122,7 @@ def model_plan(sequence_parallel: bool) -> dict:
     """Embedding, head, final norms and the encoder output."""
     if not sequence_parallel:
         return {
-            "shared": RowwiseParallel(input_layouts=Replicate()),
+            "shared": VocabParallelEmbedding(),
             # The encoder output as a replicated DTensor: the gradients of every decoder layer's cross-attention
             # k and v add up locally and are all-reduced once.
             "encoder": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
@@ -82,7 +130,7 @@ def model_plan(sequence_parallel: bool) -> dict:
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
     return {
-        "shared": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "shared": VocabParallelEmbedding(output_layout=Shard(1), use_local_output=False),
         "encoder.final_layer_norm": SequenceParallel(),
         "decoder.final_layer_norm": SequenceParallel(),
         # One all-gather of the encoder output, shared by every decoder cross-attention.

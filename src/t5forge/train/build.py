@@ -138,10 +138,17 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     plan = named_init_plan(model)  # of the whole model: every rank draws the same stream
     if p.pp > 1:
         prune_to_stages(model, rank_stages(stage_specs(pp_layers, config), p.pp, mesh.pp_rank))
-    parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile)
+    parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile,
+                   fused_head_loss=fused_head_loss(run))
     if reader is not None:
         return materialize_from_hf(model, reader, mesh.device)
     return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed), plan)
+
+
+def fused_head_loss(run: RunConfig) -> bool:
+    """Whether training fuses the LM head with the loss (Trainer.fused_head_loss): train.fused_loss, except
+    with a vocab-parallel head (tp > 1), whose logits stay sharded for the vocabulary-parallel loss."""
+    return run.train.fused_loss and run.parallel.tp == 1
 
 
 def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
@@ -152,7 +159,8 @@ def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
                           "inside the compiled graph: set train.compile=false for the audit")
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                   backend="nccl" if torch.cuda.is_available() else "gloo", precision=run.precision.dtype,
-                  activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()))
+                  activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
+                  fused_head_loss=fused_head_loss(run))
 
 
 @dataclass(frozen=True)

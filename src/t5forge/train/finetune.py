@@ -15,6 +15,7 @@ export on rank 0 (said in the log when training starts)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -30,6 +31,7 @@ from t5forge.inference import generate_from_ids
 from t5forge.models.hf import from_pretrained
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
+from t5forge.parallel.parallelize import fsdp_gathered
 from t5forge.train.checkpoint import BestModel
 from t5forge.train.checkpoint.store import on_rank_zero
 from t5forge.train.forward import autocast
@@ -72,7 +74,7 @@ def generation_eval_hooks(run: RunConfig):
             writer, trainer.state, model=trainer.model, tokenizer=trainer.data.tokenizer, mesh=trainer.mesh,
             precision=run.precision.dtype, examples=trainer.data.valid.examples[:run.train.eval_samples],
             settings=run.finetune, targets_length=trainer.plan.targets_length, eval_period=run.train.eval_period,
-            fsdp=run.parallel.zero_stage >= 2, pp=run.parallel.pp, run_dir=trainer.run_dir,
+            zero_stage=run.parallel.zero_stage, pp=run.parallel.pp, run_dir=trainer.run_dir,
             export=trainer.export_hf, exports=run.train.export_hf, echo=trainer.echo)]
     return hooks
 
@@ -84,13 +86,14 @@ class GenerationEvalHook(Hook):
 
     def __init__(self, writer: MetricsWriter, state: TrainState, *, model: T5ForConditionalGeneration,
                  tokenizer: T5Tokenizer, mesh: Mesh, precision: str, examples: list, settings: FinetuneConfig,
-                 targets_length: int, eval_period: int, fsdp: bool, pp: int, run_dir: Path, export,
+                 targets_length: int, eval_period: int, zero_stage: int, pp: int, run_dir: Path, export,
                  exports: bool, echo):
         self.writer, self.state, self.model, self.tokenizer, self.mesh = writer, state, model, tokenizer, mesh
         self.precision, self.examples, self.eval_period = precision, examples, eval_period
         self.batch_size = settings.eval_batch_size
         self.generate = {"max_new_tokens": settings.max_new_tokens or targets_length, "num_beams": settings.num_beams}
-        self.fsdp, self.pp, self.pipelined, self.run_dir = fsdp, pp, pp > 1, run_dir
+        self.zero_stage, self.fsdp = zero_stage, zero_stage >= 2
+        self.pp, self.pipelined, self.run_dir = pp, pp > 1, run_dir
         self.export, self.exports, self.echo = export, exports, echo
         # RUN_DIR/best; a resumed run keeps its best, and refuses a changed finetune.best_metric.
         self.best = BestModel(run_dir, settings.best_metric, resumed=state.step > 0)
@@ -140,22 +143,19 @@ class GenerationEvalHook(Hook):
         mine = self.examples[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
         real = len(mine)
         mine = mine + [self.examples[-1]] * (per_rank - real)  # equal counts on every dp rank
+        keep_gathered = contextlib.nullcontext()
         if self.fsdp:
             # FSDP sets itself up in the root module's first forward pass, and generation calls the encoder and
-            # decoder directly: one token through the root first (it leaves the root's parameters gathered:
-            # embedding, head and final norms, for the whole generation).
+            # decoder directly: one token through the root first. Then every unit stays gathered for the whole
+            # generation (ZeRO-3 would gather the blocks, the embedding and the head again for every token).
             token = torch.full((1, 1), self.tokenizer.eos_id, device=device)
             with torch.no_grad(), autocast(device, self.precision):
                 model(input_ids=token, decoder_input_ids=token)
-            model.unshard()
-        try:
-            with autocast(device, self.precision):
-                predictions, _ = generate_from_ids(
-                    model, self.tokenizer, [e.input_ids for e in mine], self.batch_size,
-                    stop_group=mesh.dp_group if self.fsdp and mesh.dp_size > 1 else None, **self.generate)
-        finally:
-            if self.fsdp:
-                model.reshard()
+            keep_gathered = fsdp_gathered(model, self.zero_stage)
+        with keep_gathered, autocast(device, self.precision):
+            predictions, _ = generate_from_ids(
+                model, self.tokenizer, [e.input_ids for e in mine], self.batch_size,
+                stop_group=mesh.dp_group if self.fsdp and mesh.dp_size > 1 else None, **self.generate)
         predictions = predictions[:real]
         if mesh.dp_size == 1:
             return predictions

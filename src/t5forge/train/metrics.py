@@ -61,6 +61,48 @@ def peak_memory_mib(device: torch.device) -> float:
     return kib / 1024 if sys.platform != "darwin" else kib / 2**20
 
 
+class LiveTensorPeak:
+    """`with LiveTensorPeak(device, held_bytes) as peak: ...` then `peak.mib`: the peak bytes of live tensors
+    over the block. On CUDA the allocator's own peak (reset on entry; what is allocated before counts). A CPU
+    has no allocator statistics: the block runs under torch.profiler with profile_memory=True, and the peak
+    is `held_bytes` (what lives on entry, measured by the caller from its tensors) plus the highest running
+    sum of the block's allocations and frees, in order, libraries and the allocator's caching excluded (a
+    tensor made before and freed inside the block is not seen freed: the peak is then an upper bound). The
+    profiler records every op, so the block runs slower (see `seconds`)."""
+
+    def __init__(self, device: torch.device, held_bytes: int = 0):
+        self.device, self.held_bytes = device, held_bytes
+        self.mib, self.seconds, self._profile = math.nan, math.nan, None
+
+    def __enter__(self) -> "LiveTensorPeak":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self._profile.__enter__()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.seconds = time.perf_counter() - self._start
+            self.mib = torch.cuda.max_memory_allocated(self.device) / 2**20
+            return
+        self.seconds = time.perf_counter() - self._start
+        self._profile.__exit__(*exc)
+        events = sorted((e for e in self._profile.profiler.kineto_results.events()
+                         if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        live = peak = 0
+        for event in events:
+            live += event.nbytes()
+            peak = max(peak, live)
+        self.mib = (self.held_bytes + peak) / 2**20
+
+
 def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"

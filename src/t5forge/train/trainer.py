@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from t5forge.config import RunConfig, load_config, to_yaml
 from t5forge.data.loader import build_loader
 from t5forge.errors import ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.flops import training_flops_per_sample
-from t5forge.models.loss import linear_cross_entropy_sum, token_loss_sum
+from t5forge.models.loss import token_loss_sum
 from t5forge.models.summary import human_count, summarize
 from t5forge.parallel.comm_audit import audit, format_report
 from t5forge.parallel.comm_model import Shapes, step_requirements
@@ -63,7 +64,14 @@ from t5forge.train.hooks import (
     TrainState,
 )
 from t5forge.train.metrics import MetricsWriter
-from t5forge.train.optim import LossScaler, build_optimizer, build_scheduler, clip_grad_norm, optimizer_step
+from t5forge.train.optim import (
+    LossScaler,
+    ShardedOptimizerState,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    optimizer_step,
+)
 
 
 class Trainer:
@@ -109,11 +117,18 @@ class Trainer:
             if self.parallel.pp > 1:
                 self.pipeline = Pipeline(self.model, self.plan.pp_layers, self.parallel, self.mesh, self.accumulation,
                                          self.plan.micro_batch_size, self.plan.inputs_length, self.plan.targets_length)
-            self.clip = self.gradient_clipping(run.optim.clip_grad_norm)
             self.loss_group = self.mesh.group("pp", "dp")  # the loss lives on the last stage of every dp replica
             self.audit_layout = comm_layout(run, self.plan.pp_layers) if run.train.comm_audit else None
-            owned = self.grad_sync.owned() if self.parallel.zero_stage == 1 else None
-            self.optimizer = build_optimizer(self.model, run.optim, only=owned)
+            # What the optimizer updates: the parameters, or (ZeRO-1) views of this rank's flat shards of them.
+            shards = self.grad_sync.shard_views() if self.parallel.zero_stage == 1 else None
+            self.optimizer = build_optimizer(self.model, run.optim, shards=shards)
+            self.trained = self.params if shards is None else [s.view for s in shards]
+            self.parameter_of = {id(s.view): s.param for s in shards or []}
+            # What a checkpoint saves the optimizer through (by parameter name, whatever the layout).
+            self.optimizer_state = self.optimizer if shards is None else ShardedOptimizerState(
+                self.model, self.optimizer, shards,
+                saved_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set())
+            self.clip = self.gradient_clipping(run.optim.clip_grad_norm)
             self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
             self.loss_scaler = LossScaler(run.precision, self.device)
             self.last_grad_norm = torch.full((), math.nan, device=self.device)
@@ -131,7 +146,8 @@ class Trainer:
             self.comm_audit: dict | None = None  # the report of the audited step (train.comm_audit)
             self.rng_to_restore: dict | None = None
             if resume_from is not None:
-                self.load_state_dict(ckpt.load_training_checkpoint(resume_from, self.model, self.optimizer, self.layout()))
+                self.load_state_dict(ckpt.load_training_checkpoint(resume_from, self.model, self.optimizer_state,
+                                                                   self.layout()))
                 self.echo(f"resumed from {resume_from} at iteration {self.state.step}, consumed_samples "
                           f"{self.state.consumed_samples}")
         except BaseException:
@@ -202,11 +218,17 @@ class Trainer:
         parameters, and copies of a shared one on several pipeline ranks are counted on one of them)."""
         dims = ("pp", "dp", "tp") if self.parallel.zero_stage >= 1 else ("pp", "tp")
         sizes = {"pp": self.mesh.pp_size, "dp": self.mesh.dp_size, "tp": self.mesh.tp_size}
+        counted_elsewhere = self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set()
+        # ZeRO-1's views are plain tensors: the mesh dims their parameter is sharded on come from the parameter.
+        sharded = {view_id: tuple(dim for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements)
+                                  if not pl.is_replicate())
+                   for view_id, p in self.parameter_of.items() if isinstance(p, DTensor)}
         return functools.partial(
-            clip_grad_norm, self.params, max_norm if max_norm > 0 else math.inf, group=self.mesh.group(*dims),
+            clip_grad_norm, self.trained, max_norm if max_norm > 0 else math.inf, group=self.mesh.group(*dims),
             group_dims={d: sizes[d] for d in dims if sizes[d] > 1},
-            owner_dims=("pp", "dp") if self.parallel.zero_stage == 1 else ("pp",),
-            counted_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set())
+            owner_dims=("pp", "dp") if self.parallel.zero_stage == 1 else ("pp",), one_copy_dims=sharded,
+            counted_elsewhere={id(t) for t in self.trained
+                               if id(self.parameter_of.get(id(t), t)) in counted_elsewhere})
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -235,7 +257,7 @@ class Trainer:
             self.echo(f"no checkpoint at iteration {self.state.step}: its step was not finite")
             return None
         state = self.state_dict()
-        return self.checkpoints.save(state.pop("step"), self.model, self.optimizer, state, last_step=last_step)
+        return self.checkpoints.save(state.pop("step"), self.model, self.optimizer_state, state, last_step=last_step)
 
     def export_hf(self, name: str = "hf", extra_files: dict[str, str] | None = None) -> None:
         """The model as an HF directory RUN_DIR/NAME with the run's tokenizer and `extra_files` ({name: text})
@@ -276,13 +298,13 @@ class Trainer:
         zero1 = self.parallel.zero_stage == 1
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        if self.parallel.sequence_parallel:
+        if self.parallel.sequence_parallel and not zero1:  # ZeRO-1 sums its views' partial gradients itself
             reduce_partial_gradients(self.params)
         self.phase("optimizer")
-        self.loss_scaler.unscale_([local(p.grad) for p in self.params if p.grad is not None])  # any layout
+        self.loss_scaler.unscale_([local(t.grad) for t in self.trained if t.grad is not None])  # any layout
         per_parameter: list = []
         self.last_grad_norm = self.clip(per_parameter=per_parameter)
-        norm_of = {id(p): norm for p, norm in per_parameter}
+        norm_of = {id(self.parameter_of.get(id(t), t)): norm for t, norm in per_parameter}  # one view per parameter
         zero = self.last_grad_norm.new_zeros(())
         self.last_parameter_norms = torch.stack([norm_of.get(id(p), zero) for p in self.params])
         found_inf = self.loss_scaler.update(self.last_grad_norm)
@@ -292,8 +314,8 @@ class Trainer:
         # As torch.amp.GradScaler: the schedule follows iterations, skipped fp16 steps included (knowing
         # whether a step was skipped would cost a host synchronisation).
         self.scheduler.step()
-        for p in self.params:  # also the gradients of parameters another ZeRO-1 rank updates
-            p.grad = None
+        for t in self.trained:  # ZeRO-1: its views' gradients (the parameters' were freed when reduced)
+            t.grad = None
         self.phase("bookkeeping")
         if self.loss_group is not None:
             dist.all_reduce(total, group=self.loss_group)
@@ -346,7 +368,7 @@ class Trainer:
 
         def on_output(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
             if self.fused_head_loss:
-                loss_sum = linear_cross_entropy_sum(hidden, lm_head.weight, labels)
+                loss_sum = lm_head(hidden, labels=labels)  # T5LMHead fuses the head with the loss
             else:
                 loss_sum = token_loss_sum(lm_head(hidden), labels)
             sums.append(scalar(loss_sum.detach()).double())

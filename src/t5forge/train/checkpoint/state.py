@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from t5forge.errors import CheckpointError
 from t5forge.fileio import atomic_directory, make_public, write_text_atomic
@@ -23,6 +28,7 @@ from t5forge.models.hf import build_model, config_from_hf, config_to_hf, hf_stat
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.train.checkpoint import manifest  # write_manifest looked up when called: faults.py wraps it
 from t5forge.train.checkpoint.safe_reader import check_checkpoint_files, dcp_load, read_metadata
+from t5forge.train.optim import ShardedOptimizerState
 from t5forge.train.checkpoint.store import (
     LATEST,
     checkpoint_name,
@@ -86,9 +92,17 @@ def state_bytes(tree) -> int:
     return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
 
 
+def model_and_optimizer_state(model: torch.nn.Module, optimizer, saving: bool) -> tuple[dict, dict]:
+    """(model state, optimizer state {state, param_groups}) by parameter name, as every layout saves them:
+    ZeRO-1's flat shards through their own conversion, any other optimizer through get_state_dict."""
+    if isinstance(optimizer, ShardedOptimizerState):
+        return get_model_state_dict(model), optimizer.state_dict(saving=saving)
+    return get_state_dict(model, optimizer)
+
+
 def save_training_checkpoint(
-    checkpoints_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    trainer_state: dict, keep_last: int,
+    checkpoints_dir: str | os.PathLike, step: int, model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | ShardedOptimizerState, trainer_state: dict, keep_last: int,
 ) -> Path:
     """Write checkpoint `step` from every rank of any layout (DCP stores each shard once, with its global
     position) under a temporary name; then rank 0 adds the JSON files and the manifest, publishes it by
@@ -104,7 +118,7 @@ def save_training_checkpoint(
         make_public(staging)
 
     on_rank_zero(prepare)  # every rank waits for the directory (or rank 0's error)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = model_and_optimizer_state(model, optimizer, saving=True)
     tensors = {"model": model_state, "optimizer": optim_state["state"], "rng": rng_tensors()}
     # The manifest's hashes are computed while writing: each rank hashes its own files as DCP writes them
     # (HashingWriter), overlapping the writes and fsync, instead of rank 0 reading every file back afterwards.
@@ -141,7 +155,8 @@ def save_training_checkpoint(
 
 
 def load_training_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: dict | None = None
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | ShardedOptimizerState,
+    layout: dict | None = None,
 ) -> dict:
     """Restore model and optimizer in place from checkpoint `path` (written by any layout: DCP reshards);
     return trainer_state. When the checkpoint's recorded `layout` equals `layout`, the saved RNG states
@@ -162,7 +177,7 @@ def load_training_checkpoint(
         raise CheckpointError(f"{path} holds a different model ({diff}); resume with the model config it was "
                               "trained with")
     check_checkpoint_files(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = model_and_optimizer_state(model, optimizer, saving=False)
     tensors = {"model": model_state, "optimizer": optim_state["state"]}
     if state.get("layout") == layout:  # RNG streams belong to ranks; after resharding they start afresh
         tensors["rng"] = rng_tensors()
@@ -178,7 +193,11 @@ def load_training_checkpoint(
     for group in groups:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+    if isinstance(optimizer, ShardedOptimizerState):
+        set_model_state_dict(model, tensors["model"])
+        optimizer.load_state_dict({"state": tensors["optimizer"], "param_groups": groups})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
     state["rng"] = tensors.get("rng")
     return state

@@ -1,0 +1,149 @@
+"""Run under torchrun (2 processes, gloo): one training step of a tiny T5 per case, watching where the
+vocabulary's rows are (tests/parallel/test_vocab_sharding.py reads what rank 0 writes).
+
+    torchrun --nproc-per-node 2 tests/parallel/vocab_sharding_worker.py DATA TOKENIZER OUT CASE [CASE ...]
+
+CASE is NAME=override;override;... Cases with parallel.tp record the local shape of every tensor an operator
+produces during the step (a DTensor by its local shard: what this rank allocates); the others record, at
+moments of the step, whether the embedding's and the head's FSDP units are gathered."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from t5forge.config import load_config
+from t5forge.inference import generate_from_ids
+from t5forge.models.t5 import named_blocks
+from t5forge.parallel.parallelize import fsdp_gathered
+from t5forge.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+from layouts import base_overrides  # noqa: E402
+
+
+class LocalShapes(TorchDispatchMode):
+    """The shapes of the tensors every operator returns; a DTensor's by its local shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.add(tuple((tensor.to_local() if isinstance(tensor, DTensor) else tensor).shape))
+        return out
+
+
+class AllGathers(TorchDispatchMode):
+    """Counts the all-gathers issued (FSDP2's reach the dispatcher as c10d ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "allgather" in func.name()
+        return func(*args, **(kwargs or {}))
+
+
+def watch_generation(trainer) -> dict[str, int]:
+    """All-gathers of a short generation under ZeRO-3, with every unit kept gathered (fsdp_gathered: at entry,
+    and inside the generation) and with the root only (inside: each decode step gathers the others again)."""
+    model, device = trainer.model, trainer.mesh.device
+    tokenizer = trainer.data.tokenizer
+    inputs = [[5, 6, 7, tokenizer.eos_id], [8, 9, tokenizer.eos_id]]
+    token = torch.full((1, 1), tokenizer.eos_id, device=device)
+    with torch.no_grad():
+        model(input_ids=token, decoder_input_ids=token)  # FSDP's lazy set-up, as finetune does
+    counts = {}
+    with AllGathers() as mode:
+        with fsdp_gathered(model, trainer.parallel.zero_stage):
+            counts["kept: at entry"] = mode.count
+            generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
+            counts["kept: inside"] = mode.count - counts["kept: at entry"]
+    model.unshard()  # the root only, as generation calls the stacks directly (the previous finetune code)
+    with AllGathers() as mode:
+        generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
+    model.reshard()
+    counts["not kept: inside"] = mode.count
+    counts["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return counts
+
+
+def watch_gathering(model) -> list[tuple[str, bool, bool]]:
+    """(moment, embedding gathered, head gathered) at: the last encoder block's forward pass, the head's
+    forward and backward passes (the fused loss included) and the last decoder and encoder blocks' backward
+    passes. FSDP2 swaps a plain full tensor in for the sharded DTensor parameter while it holds the unit
+    gathered."""
+    seen = []
+
+    def record(moment):
+        seen.append((moment, not isinstance(model.shared.weight, DTensor),
+                     not isinstance(model.lm_head.weight, DTensor)))
+
+    def on_head(module, args):
+        record("head forward")
+        # FSDP's own pre-hook ran first (prepended) and wrapped the input for its post-backward hook: the
+        # input's gradient is computed by the head's backward pass, before FSDP reshards the unit after it.
+        if args[0].requires_grad:
+            args[0].register_hook(lambda grad: record("head backward"))
+
+    def on_backward(moment):
+        def hook(module, args, output):  # (hidden states, position bias): its gradient starts the block's backward
+            if output[0].requires_grad:  # not in no-grad forward passes (generation)
+                output[0].register_hook(lambda grad: record(moment))
+        return hook
+
+    for stack in (model.encoder, model.decoder):
+        last = named_blocks(stack)[-1][1]
+        name = "decoder" if stack.is_decoder else "encoder"
+        last.register_forward_hook(on_backward(f"{name} backward"))
+        if not stack.is_decoder:
+            last.register_forward_pre_hook(lambda *_: record("encoder forward"))
+    model.lm_head.register_forward_pre_hook(on_head)
+    return seen
+
+
+def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
+    name, _, extra = case.partition("=")
+    overrides = [*base_overrides(data, tokenizer, str(out / name)), "train.max_steps=1", *extra.split(";")]
+    trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
+    result = {"vocab_size": trainer.model_config.vocab_size, "d_model": trainer.model_config.d_model}
+    if trainer.mesh.tp_size > 1:
+        with LocalShapes() as mode:
+            trainer.run_training([])
+        result["shapes"] = sorted(mode.shapes)
+    else:
+        seen = watch_gathering(trainer.model)
+        trainer.run_training([])
+        result["gathered"] = list(seen)  # the training steps'
+        if trainer.parallel.zero_stage == 3:
+            result["generation"] = watch_generation(trainer)
+    if trainer.comm_audit is not None:
+        result["audit_ok"] = trainer.comm_audit["ok"]
+    result["losses"] = trainer.state.losses
+    if dist.get_rank() == 0:
+        (out / f"{name}.json").write_text(json.dumps(result))
+    trainer.close()
+
+
+def main() -> None:
+    data, tokenizer, out, *cases = sys.argv[1:]
+    dist.init_process_group("gloo")
+    for case in cases:
+        run_case(data, tokenizer, Path(out), case)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
