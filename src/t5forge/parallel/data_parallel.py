@@ -269,6 +269,12 @@ class GradientBuckets:
             if g is not None:
                 flat[offset:offset + g.numel()].copy_(g.reshape(-1))
         if self.shard:
+            # The flat copy is all the reduction needs, and the views get their averages from `out`: the full
+            # gradients go now rather than after every bucket's reduction, so a gradient and its flat copy are
+            # never both kept (for a 410M-parameter mT5, 1.6 GB of fp32 per rank less when the backward pass
+            # ends). Freed in stream order: the copy above has read them first.
+            for p in bucket:
+                p.grad = None
             out = torch.empty(layout["section"], dtype=dtype, device=device)
             # (torch 2.13 renamed the single-tensor collectives; 2.8 has only the old names)
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
