@@ -200,8 +200,8 @@ def check_gloo_on_gpus(parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.pp={parallel.pp} sends activations between stages, and gloo sends host tensors "
                           "only (parallel.backend=gloo on GPUs): set parallel.backend=auto or parallel.pp=1")
     if parallel.zero_stage > 0:
-        # On CUDA, ZeRO 1 all-gathers uneven sections and FSDP (ZeRO 2/3) reduce-scatters with averaging:
-        # gloo refuses the first and would sum instead of averaging in the second.
+        # ZeRO 1-3 reduce-scatter their gradients (FSDP's with averaging): gloo has no reduce-scatter of CUDA
+        # tensors, and would sum instead of averaging in FSDP's.
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage} needs collectives that gloo does not run on "
                           "GPUs (parallel.backend=gloo): set parallel.zero_stage=0 or parallel.backend=auto")
 
