@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from t5forge.config import RunConfig, batch_arithmetic, load_config
+from t5forge.config import ParallelConfig, RunConfig, TrainConfig, batch_arithmetic, load_config
 from t5forge.data.loader import PretrainingData, build_pretraining_data
 from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
@@ -139,16 +139,16 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     if p.pp > 1:
         prune_to_stages(model, rank_stages(stage_specs(pp_layers, config), p.pp, mesh.pp_rank))
     parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile,
-                   fused_head_loss=fused_head_loss(run))
+                   fused_head_loss=fused_head_loss(run.train, run.parallel))
     if reader is not None:
         return materialize_from_hf(model, reader, mesh.device)
     return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed), plan)
 
 
-def fused_head_loss(run: RunConfig) -> bool:
+def fused_head_loss(train: TrainConfig, parallel: ParallelConfig) -> bool:
     """Whether training fuses the LM head with the loss (Trainer.fused_head_loss): train.fused_loss, except
     with a vocab-parallel head (tp > 1), whose logits stay sharded for the vocabulary-parallel loss."""
-    return run.train.fused_loss and run.parallel.tp == 1
+    return train.fused_loss and parallel.tp == 1
 
 
 def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
@@ -160,7 +160,7 @@ def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                   backend="nccl" if torch.cuda.is_available() else "gloo", precision=run.precision.dtype,
                   activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
-                  fused_head_loss=fused_head_loss(run))
+                  fused_head_loss=fused_head_loss(run.train, run.parallel))
 
 
 @dataclass(frozen=True)

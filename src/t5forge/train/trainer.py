@@ -49,7 +49,7 @@ from t5forge.parallel.parallelize import COMPUTE_DTYPES, compile_counters, compi
 from t5forge.parallel.pipeline import Pipeline, describe_split
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.train import checkpoint as ckpt
-from t5forge.train.build import build_data, build_model, comm_layout, plan_run
+from t5forge.train.build import build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
 from t5forge.train.evaluate import evaluate
 from t5forge.train.forward import compute_context, model_inputs, scalar
@@ -348,9 +348,8 @@ class Trainer:
 
     @property
     def fused_head_loss(self) -> bool:
-        """train.fused_loss, except with a vocab-parallel head (tp > 1): its logits stay sharded and the
-        loss comes from them under `loss_parallel`."""
-        return self.options.fused_loss and self.mesh.tp_size == 1
+        """Whether the LM head is fused with the loss: the rule build_model applied to the head's FSDP unit."""
+        return fused_head_loss(self.options, self.parallel)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The summed token loss of one micro-batch, fused with the LM head or from the logits."""
