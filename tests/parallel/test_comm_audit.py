@@ -129,6 +129,7 @@ def test_a_head_fused_with_the_loss_is_not_gathered_for_its_backward_pass(config
                                *overrides])
     layout = comm_layout(run, None)
     assert layout.fused_head_loss is fused
+    assert layout.vocab_over_dp is fused  # and then split over dp, not FSDP units (tp = pp = 1)
     model = T5Config(**TINY_MODEL, tie_word_embeddings=False)
     shapes = Shapes(micro_batch_size=2, accumulation=3, inputs_length=64, targets_length=14)
     unfused, fused_ = (totals(step_requirements(model, shapes, Layout(dp=2, zero_stage=3, fused_head_loss=f)))

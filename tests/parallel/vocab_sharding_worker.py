@@ -3,9 +3,10 @@ vocabulary's rows are (tests/parallel/test_vocab_sharding.py reads what rank 0 w
 
     torchrun --nproc-per-node 2 tests/parallel/vocab_sharding_worker.py DATA TOKENIZER OUT CASE [CASE ...]
 
-CASE is NAME=override;override;... Cases with parallel.tp record the local shape of every tensor an operator
-produces during the step (a DTensor by its local shard: what this rank allocates); the others record, at
-moments of the step, whether the embedding's and the head's FSDP units are gathered."""
+CASE is NAME=override;override;... Cases whose vocabulary is split on the rows (tensor parallelism; ZeRO-3
+with the fused loss: parallel/vocab_parallel.py) record the local shape of every tensor an operator produces
+during the step (a DTensor by its local shard: what this rank allocates); the others record, at moments of
+the step, whether the embedding's and the head's FSDP units are gathered."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from t5forge.config import load_config
 from t5forge.inference import generate_from_ids
 from t5forge.models.t5 import named_blocks
 from t5forge.parallel.parallelize import fsdp_gathered
+from t5forge.parallel.vocab_parallel import splits_vocabulary_over_tokens, vocab_gathered
 from t5forge.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
@@ -30,7 +32,7 @@ from layouts import base_overrides  # noqa: E402
 
 
 class LocalShapes(TorchDispatchMode):
-    """The shapes of the tensors every operator returns; a DTensor's by its local shard."""
+    """The shapes of the tensors every operator returns; a DTensor's by its local shard; none on the meta device."""
 
     def __init__(self):
         super().__init__()
@@ -39,7 +41,7 @@ class LocalShapes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:  # (meta: the audit's model, no memory)
                 self.shapes.add(tuple((tensor.to_local() if isinstance(tensor, DTensor) else tensor).shape))
         return out
 
@@ -63,7 +65,7 @@ def watch_generation(trainer) -> dict[str, int]:
     tokenizer = trainer.data.tokenizer
     inputs = [[5, 6, 7, tokenizer.eos_id], [8, 9, tokenizer.eos_id]]
     token = torch.full((1, 1), tokenizer.eos_id, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), vocab_gathered(model):
         model(input_ids=token, decoder_input_ids=token)  # FSDP's lazy set-up, as finetune does
     counts = {}
     with AllGathers() as mode:
@@ -72,7 +74,7 @@ def watch_generation(trainer) -> dict[str, int]:
             generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
             counts["kept: inside"] = mode.count - counts["kept: at entry"]
     model.unshard()  # the root only, as generation calls the stacks directly (the previous finetune code)
-    with AllGathers() as mode:
+    with vocab_gathered(model), AllGathers() as mode:
         generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
     model.reshard()
     counts["not kept: inside"] = mode.count
@@ -119,7 +121,7 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     overrides = [*base_overrides(data, tokenizer, str(out / name)), "train.max_steps=1", *extra.split(";")]
     trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
     result = {"vocab_size": trainer.model_config.vocab_size, "d_model": trainer.model_config.d_model}
-    if trainer.mesh.tp_size > 1:
+    if trainer.mesh.tp_size > 1 or splits_vocabulary_over_tokens(trainer.model.shared):
         with LocalShapes() as mode:
             trainer.run_training([])
         result["shapes"] = sorted(mode.shapes)
@@ -127,8 +129,8 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
         seen = watch_gathering(trainer.model)
         trainer.run_training([])
         result["gathered"] = list(seen)  # the training steps'
-        if trainer.parallel.zero_stage == 3:
-            result["generation"] = watch_generation(trainer)
+    if trainer.parallel.zero_stage == 3:
+        result["generation"] = watch_generation(trainer)
     if trainer.comm_audit is not None:
         result["audit_ok"] = trainer.comm_audit["ok"]
     result["losses"] = trainer.state.losses

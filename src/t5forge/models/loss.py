@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from t5forge.collectives import all_gather_single, reduce_scatter_single
+
 IGNORE_INDEX = -100
 
 
@@ -97,12 +99,25 @@ def _scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ranks' `tensor`s (equal shapes) concatenated on dim 0, in rank order."""
+    tensor = tensor.contiguous()
+    gathered = tensor.new_empty(dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:])
+    all_gather_single(gathered, tensor, group=group)
+    return gathered
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                chunk_tokens: int) -> torch.Tensor:
+                chunk_tokens: int, vocab_start: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ranks, mine = 1, slice(None)  # this rank's tokens among those the head sees
+        if group is not None:  # the ranks' tokens meet the rank's rows of the head (see the caller)
+            ranks, tokens = dist.get_world_size(group), hidden.shape[0]
+            mine = slice(dist.get_rank(group) * tokens, (dist.get_rank(group) + 1) * tokens)
+            hidden, labels = gather_rows(hidden, group), gather_rows(labels, group)
+        token_loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         starts = range(0, hidden.shape[0], chunk_tokens)
         # The head's gradient accumulates in fp32 over chunks, whatever the compute dtype; a single chunk's
@@ -115,14 +130,20 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
             logits = (h @ weight.t()).float()
             valid = y != IGNORE_INDEX
-            target = y.clamp(min=0).unsqueeze(1)
+            rows = y - vocab_start
+            held = valid & (rows >= 0) & (rows < weight.shape[0])  # the label's row is one of these
+            target = rows.clamp(0, weight.shape[0] - 1).unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, target).squeeze(1)) * valid).sum()
+            label_logit = logits.gather(1, target).squeeze(1).masked_fill(~held, 0.0)
+            if group is not None:  # each rank's log-sum-exp and label logit of its rows: 2 numbers per token
+                stats = gather_rows(torch.stack([lse, label_logit]).unsqueeze(0), group)
+                lse, label_logit = torch.logsumexp(stats[:, 0], 0), stats[:, 1].sum(0)
+            token_loss[start:start + chunk_tokens] = (lse - label_logit) * valid
             if want_hidden or want_weight:
                 # d(loss)/d(logits) = softmax - one_hot(label), zero for ignored tokens; in place over the logits.
                 # An ignored token's row is exp(logit - inf) = 0: no pass over the chunk to mask it.
                 grad = logits.sub_(lse.masked_fill(~valid, torch.inf).unsqueeze(1)).exp_()
-                grad.scatter_add_(1, target, -valid.to(grad.dtype).unsqueeze(1))
+                grad.scatter_add_(1, target, -held.to(grad.dtype).unsqueeze(1))
                 grad = grad.to(hidden.dtype)
                 if want_hidden:
                     grad_hidden[start:start + chunk_tokens] = grad @ weight
@@ -132,12 +153,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     grad_weight.addmm_(grad.t(), h)
                 elif want_weight:
                     grad_weight += grad.t() @ h
+        if group is not None and want_hidden:  # partial sums over the rows: each rank keeps its tokens' total
+            summed = grad_hidden.new_empty(grad_hidden.shape[0] // ranks, *grad_hidden.shape[1:])
+            reduce_scatter_single(summed, grad_hidden, group=group)
+            grad_hidden = summed
         # Kept on ctx, not saved for backward: backward takes them and drops ctx's references, so the
         # head's gradient (vocab x d_model) is scaled in place and handed to autograd, which keeps it as the
         # weight's .grad (fp32, first micro-batch) or adds it there and frees it, with no second copy.
         ctx.grads = (grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        return total
+        ctx.weight_dtype, ctx.ranks = weight.dtype, ranks
+        return token_loss[mine].sum()
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
@@ -149,23 +174,35 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = _scale_(grad_weight, grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+            # Over a group, the rows' gradient holds every rank's tokens: averaged over the ranks, as data
+            # parallelism averages the gradients of the other parameters (each rank's loss is scaled alike).
+            scale = grad_total / ctx.ranks if ctx.ranks > 1 else grad_total
+            grad_weight = _scale_(grad_weight, scale).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_logits: int | None = None) -> torch.Tensor:
+                             chunk_logits: int | None = None, vocab_start: int = 0,
+                             group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` against `labels` (-100: ignored).
 
     hidden [..., d_model], weight [vocab, d_model], labels [...]; chunk_logits: at most this many logits per
     chunk (default chunk_logits_for the device, yet at least MIN_CHUNK_TOKENS tokens). Under autocast both
     operands are cast to the autocast dtype first (as F.linear would be), so the head's gradient flows back
-    through the cast."""
+    through the cast.
+
+    With `group` (collective; equal token counts on its ranks), `weight` holds rows vocab_start... of a head
+    split over the ranks, and each rank its own tokens: the ranks' hidden states and labels are all-gathered,
+    each rank computes the logits of every token for its rows, two numbers per token meet to finish the
+    softmax, and the hidden states' gradients (partial over the rows) are reduce-scattered back to their
+    tokens' rank. Returns the loss of this rank's tokens; the rows' gradient is averaged over the ranks, and
+    assumes every rank scales its loss alike (as the trainer does). No rank ever holds the whole head."""
     hidden, weight = _compute_operands(hidden, weight)
-    chunk_tokens = chunk_tokens_for(hidden.shape[0], weight.shape[0], hidden.device, chunk_logits,
+    ranks = dist.get_world_size(group) if group is not None else 1
+    chunk_tokens = chunk_tokens_for(ranks * hidden.shape[0], weight.shape[0], hidden.device, chunk_logits,
                                     MIN_CHUNK_TOKENS if chunk_logits is None else 1)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropySum.apply(hidden, weight, labels.reshape(-1), chunk_tokens)
+        return _LinearCrossEntropySum.apply(hidden, weight, labels.reshape(-1), chunk_tokens, vocab_start, group)
 
 
 @torch.no_grad()
@@ -211,17 +248,24 @@ def loss_and_correct_of_shards(stats: torch.Tensor, labels: torch.Tensor) -> tup
 
 
 def token_loss_and_correct(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0,
-                           group: dist.ProcessGroup | None = None,
-                           chunk_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           group: dist.ProcessGroup | None = None, chunk_logits: int | None = None,
+                           own_tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluation's head: (summed fp32 cross-entropy, number of correct argmax predictions) over labels !=
     -100, as `token_loss_sum(F.linear(hidden, weight), labels)` and the argmax of those logits (ties: the
     lowest index) would give, without the logits of all tokens at once. `weight` holds rows vocab_start... of
     the head; with `group`, the ranks holding the other rows (collective): each reduces its rows to
-    `vocab_shard_statistics` and these four numbers per token are all-gathered, not the logits."""
+    `vocab_shard_statistics` and these four numbers per token are all-gathered, not the logits.
+    `own_tokens`: each rank of `group` has tokens of its own (data parallelism; equal counts): they are
+    all-gathered first, and the sums returned are those of this rank's tokens."""
+    mine = slice(None)
+    if group is not None and own_tokens:
+        hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        rank, count = dist.get_rank(group), labels.shape[0]
+        mine = slice(rank * count, (rank + 1) * count)
+        hidden, labels = gather_rows(hidden, group), gather_rows(labels, group)
     stats = vocab_shard_statistics(hidden, weight, labels, vocab_start, chunk_logits)
     if group is None:
         return loss_and_correct_of_shards(stats.unsqueeze(0), labels)
     size = dist.get_world_size(group)
-    gathered = stats.new_empty(size * stats.shape[0], stats.shape[1])  # concatenated on dim 0, as gloo requires
-    dist.all_gather_into_tensor(gathered, stats, group=group)
-    return loss_and_correct_of_shards(gathered.view(size, *stats.shape), labels)
+    gathered = gather_rows(stats, group)  # concatenated on dim 0, as gloo requires
+    return loss_and_correct_of_shards(gathered.view(size, *stats.shape)[..., mine], labels.reshape(-1)[mine])

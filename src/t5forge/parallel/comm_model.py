@@ -36,6 +36,14 @@ Data parallel, over dp, once per step (gradient accumulation communicates only o
   backward pass does not read it, nor the head when fused with the loss: Layout.fused_head_loss); one
   reduce-scatter of each unit's gradients. FSDP2 pads dim 0 of every parameter to a multiple of dp; the
   padding is part of the bytes.
+- ZeRO-3 with the fused loss (Layout.vocab_over_dp: vocab_parallel.py) has no embedding or head unit: their
+  rows stay split over dp and the tokens travel, per micro-batch. Each lookup (encoder ids [b, S], decoder
+  ids [b, T]) all-gathers the ids (int64), reduce-scatters the partial embeddings [dp x b x len, d] and, in
+  the backward pass, all-gathers their gradients; the head all-gathers the hidden states [b x T, d] and the
+  labels (int64), then per chunk of the loss (models/loss.chunk_tokens_for over the dp x b x T tokens and
+  the rank's vocab / dp rows, Layout.chunk_logits) all-gathers two fp32 numbers per token, and
+  reduce-scatters the hidden states' gradients. Embeddings travel in FSDP's bf16 parameter dtype under
+  bf16, the head's tensors in the autocast dtype under bf16 and fp16.
 
 Pipeline parallel, over pp, per micro-batch and stage boundary (parallel/pipeline.py): one send of each
 activation the next stage receives (the encoder hidden states; into and inside the decoder the encoder
@@ -60,6 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from t5forge.errors import ConfigError
+from t5forge.models.loss import CHUNK_LOGITS, MIN_CHUNK_TOKENS, chunk_tokens_for
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets, section_ranges, shard_section
 from t5forge.parallel.pipeline import (
@@ -89,6 +98,8 @@ class Layout:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     pp_layers: tuple[int, ...] = ()  # blocks per pipeline stage (pipeline.split_blocks) when pp > 1
     fused_head_loss: bool = False  # the LM head fused with the loss: its backward pass does not read the weight
+    vocab_over_dp: bool = False  # ZeRO-3: embedding and head split over dp, tokens gathered (vocab_parallel.py)
+    chunk_logits: int = CHUNK_LOGITS  # the fused loss's logits per chunk on the device (loss.chunk_logits_for)
 
 
 @dataclass(frozen=True)
@@ -148,16 +159,45 @@ def _local_stages(config: T5Config, layout: Layout, pp_rank: int) -> tuple[list[
 
 
 def _fsdp_units(params: list[tuple[str, tuple[int, ...]]], num_layers: int,
-                num_decoder_layers: int) -> dict[str, list]:
+                num_decoder_layers: int, vocab_over_dp: bool = False) -> dict[str, list]:
     """data_parallel.apply_fsdp's units: each block, the embedding, the head (none when tied: its parameter
-    is the embedding's, listed once) and the root (the final norms)."""
+    is the embedding's, listed once) and the root (the final norms); neither embedding nor head when they are
+    split over dp on their own (`vocab_over_dp`)."""
     units: dict[str, list] = {f"encoder.block.{i}.": [] for i in range(num_layers)}
     units.update({f"decoder.block.{i}.": [] for i in range(num_decoder_layers)})
     units.update({"shared.": [], "lm_head.": [], "root": []})
     for name, shape in params:
         prefix = next((u for u in units if name.startswith(u)), "root")
         units[prefix].append((name, shape))
+    if vocab_over_dp:
+        del units["shared."], units["lm_head."]
     return {unit: members for unit, members in units.items() if members}
+
+
+def _vocab_over_dp(config: T5Config, layout: Layout, shapes: Shapes) -> list[Requirement]:
+    """The collectives of the embedding and the fused head + loss split over dp (vocab_parallel.py)."""
+    dp, M, b, d = layout.dp, shapes.accumulation, shapes.micro_batch_size, config.d_model
+    int64, out = 8, []
+
+    def need(kind, count, elements, element_size, what):
+        out.append(Requirement(kind, "dp", count, count * elements * element_size, what))
+
+    embedded = 2 if layout.precision == "bf16" else FP32  # FSDP's param_dtype, which the lookup uses too
+    hidden = 2 if layout.precision in ("bf16", "fp16") else FP32  # the head's operands under autocast
+    for stack, length in (("encoder", shapes.inputs_length), ("decoder", shapes.targets_length)):
+        need("all_gather", M, dp * b * length, int64, f"embedding ids ({stack})")
+        need("reduce_scatter", M, dp * b * length * d, embedded, f"embedding output ({stack})")
+        need("all_gather", M, dp * b * length * d, embedded, f"embedding output gradient ({stack})")
+    tokens = dp * b * shapes.targets_length
+    rows = -(-config.vocab_size // dp)
+    chunks = -(-tokens // chunk_tokens_for(tokens, rows, torch.device("cpu"), layout.chunk_logits, MIN_CHUNK_TOKENS))
+    need("all_gather", M, tokens * d, hidden, "LM head input")
+    need("all_gather", M, tokens, int64, "labels")
+    # One all-gather per chunk: [dp, 2, chunk] fp32 each, two numbers per token of every rank in all.
+    out.append(Requirement("all_gather", "dp", M * chunks, M * dp * 2 * tokens * FP32,
+                           "log-sum-exp and label logit per token"))
+    need("reduce_scatter", M, tokens * d, hidden, "LM head input gradient")
+    return out
 
 
 def _padded(shape: tuple[int, ...], dp: int) -> int:
@@ -270,7 +310,10 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
         else:
             param_size = 2 if layout.precision == "bf16" else FP32  # FSDP's param_dtype
             gathers = 1 if zero == 2 else M
-            for unit, members in _fsdp_units(params, config.num_layers, config.num_decoder_layers).items():
+            if layout.vocab_over_dp:
+                out.extend(_vocab_over_dp(config, layout, shapes))
+            units = _fsdp_units(params, config.num_layers, config.num_decoder_layers, layout.vocab_over_dp)
+            for unit, members in units.items():
                 elements = sum(_padded(s, dp) for _, s in members)
                 # ZeRO-3 frees the untied embedding after each of its two lookups and does not gather it for
                 # its backward pass, nor the untied head when fused with the loss; a tied embedding + head and

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from t5forge.collectives import all_gather_single, reduce_scatter_single
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.timing import SpanTimer
@@ -60,9 +61,11 @@ def reshard_after_forward(model: T5ForConditionalGeneration, unit: nn.Module, ze
 
 def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stage: int,
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-               fused_head_loss: bool = False):
+               fused_head_loss: bool = False, vocab_sharded: bool = False):
     """ZeRO-2/3 with FSDP2. Units: each T5Block; the embedding (`shared`); the LM head (one unit with the
     embedding when tied, as they are one parameter); the root holds the rest (the final norms).
+    `vocab_sharded`: the embedding and the head are split over dp already (vocab_parallel.apply_vocab_parallel):
+    they are no units, and the root leaves them alone.
 
     `fused_head_loss`: the head's backward pass never reads its weight, as when training calls it only with
     labels (T5LMHead: models/loss.py computes both gradients in its forward pass, the backward pass scales
@@ -78,7 +81,9 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     # each is gathered for its use and freed after it, as TorchTitan's token embedding and output units. The
     # embedding is gathered for each of its two lookups (encoder and decoder ids) and not at all in the
     # backward pass, which does not read it. The fused loss is a call of the head module: gathered for it too.
-    if model.config.tie_word_embeddings:
+    if vocab_sharded:
+        pass  # no full-vocabulary tensor is ever gathered: the tokens travel instead
+    elif model.config.tie_word_embeddings:
         # One parameter, used at both ends of the forward pass and first in the backward pass: freeing it in
         # between would only gather it again, and its gathered copy is there at the start of the backward
         # pass (the memory peak) either way. The unit is freed after the backward pass.
@@ -92,7 +97,8 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     # The root (the final norms, a few kB) stays gathered from the end of the forward pass into the
     # backward pass, which starts with it (PyTorch's recommendation for roots: it would be all-gathered
     # again at once).
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    ignored = {model.shared.weight, model.lm_head.weight} if vocab_sharded else None
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored)
     if dp_mesh.device_type == "cpu":
         # gloo has no averaging reduce-scatter, and torch 2.8 sums silently when asked for one (gradients
         # dp times too large, hidden by AdamW; the gradient-norm equivalence test shows it): sum, then divide.
@@ -277,8 +283,7 @@ class GradientBuckets:
                 p.grad = None
             out = torch.empty(layout["section"], dtype=dtype, device=device)
             # (torch 2.13 renamed the single-tensor collectives; 2.8 has only the old names)
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = reduce_scatter(out, flat, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self.launched[i] = (work, out)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -337,7 +342,6 @@ class GradientBuckets:
         if not self.shard or self.size == 1:
             return
         pending = []
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for bucket, layout in zip(self.buckets, self.layouts):
             data = [local(p.detach()) for p in bucket]
             flat = torch.empty(layout["total"], dtype=data[0].dtype, device=data[0].device)
@@ -346,7 +350,7 @@ class GradientBuckets:
             own.zero_()  # the padding, if this section has any
             for view, at in layout["views"]:
                 own[at:at + view.view.numel()].copy_(view.view)
-            pending.append((all_gather(flat, own, group=self.group, async_op=True), flat, data))
+            pending.append((all_gather_single(flat, own, group=self.group, async_op=True), flat, data))
         for (work, flat, data), layout in zip(pending, self.layouts):
             work.wait()
             for d, offset in zip(data, layout["offset"]):

@@ -34,6 +34,7 @@ from t5forge.parallel.activation_checkpoint import apply_ac
 from t5forge.parallel.data_parallel import apply_fsdp, local, reshard_after_forward
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.tensor_parallel import apply_tp
+from t5forge.parallel.vocab_parallel import apply_vocab_parallel, shards_vocabulary_over_dp, vocab_gathered
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,9 +111,11 @@ def compile_warning(since: dict[str, int]) -> str | None:
 def parallelize_t5(model: T5ForConditionalGeneration, mesh: Mesh, parallel: ParallelConfig,
                    precision: str = "fp32", compile: bool = False,
                    fused_head_loss: bool = False) -> T5ForConditionalGeneration:
-    """Tensor parallel -> activation checkpointing -> compile -> FSDP (ZeRO 2/3), in place; returns `model`.
-    `fused_head_loss`: training calls the LM head only with labels, fused with the loss (its backward pass
-    does not read the weight: data_parallel.apply_fsdp)."""
+    """Tensor parallel -> activation checkpointing -> compile -> vocabulary over dp (ZeRO-3 with the fused
+    loss, tp = pp = 1) -> FSDP (ZeRO 2/3), in place; returns `model`. `fused_head_loss`: training calls the
+    LM head only with labels, fused with the loss (its backward pass does not read the weight:
+    data_parallel.apply_fsdp; under ZeRO-3 the embedding and the head are then split over dp by
+    vocab_parallel.apply_vocab_parallel instead of being FSDP units)."""
     if parallel.tp > 1:
         apply_tp(model, mesh.mesh["tp"], sequence_parallel=parallel.sequence_parallel)
     apply_ac(model, parallel.activation_checkpointing)
@@ -120,8 +123,11 @@ def parallelize_t5(model: T5ForConditionalGeneration, mesh: Mesh, parallel: Para
         apply_compile(model)
     if parallel.zero_stage >= 2:
         param_dtype = COMPUTE_DTYPES[precision] if precision == "bf16" else None
+        vocab_sharded = shards_vocabulary_over_dp(parallel, fused_head_loss)
+        if vocab_sharded:
+            apply_vocab_parallel(model, mesh.mesh["dp"], param_dtype=param_dtype)
         apply_fsdp(model, mesh.mesh["dp"], parallel.zero_stage, param_dtype=param_dtype,
-                   fused_head_loss=fused_head_loss)
+                   fused_head_loss=fused_head_loss, vocab_sharded=vocab_sharded)
     return model
 
 
@@ -139,7 +145,8 @@ def fsdp_gathered(model: T5ForConditionalGeneration, zero_stage: int):
     for handle in [unit.unshard(async_op=True) for unit in units]:  # issued together, then waited for
         handle.wait()
     try:
-        yield model
+        with vocab_gathered(model):  # an embedding and head split over dp (vocab_parallel) in full too
+            yield model
     finally:
         for unit in units:
             unit.reshard()

@@ -18,6 +18,7 @@ from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
 from t5forge.errors import CheckpointError, ConfigError
 from t5forge.models.hf import HFTensorReader, config_from_hf, read_hf_config
+from t5forge.models.loss import chunk_logits_for
 from t5forge.models.presets import get_preset
 from t5forge.models.summary import summarize
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, use_fused_gelu
@@ -33,6 +34,7 @@ from t5forge.parallel.parallelize import (
     parallelize_t5,
 )
 from t5forge.parallel.pipeline import check_schedule, prune_to_stages, rank_stages, split_blocks, stage_specs
+from t5forge.parallel.vocab_parallel import shards_vocabulary_over_dp
 from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint
 
 
@@ -151,8 +153,8 @@ def fused_head_loss(train: TrainConfig, parallel: ParallelConfig) -> bool:
     return train.fused_loss and parallel.tp == 1
 
 
-def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
-    """The run's layout as the communication model sees it."""
+def comm_layout(run: RunConfig, pp_layers: list[int] | None, device: torch.device = torch.device("cpu")) -> Layout:
+    """The run's layout as the communication model sees it, on `device` (which sizes the fused loss's chunks)."""
     p = run.parallel
     if run.train.compile:
         raise ConfigError("train.comm_audit observes collectives as eager ops, and compiled blocks run theirs "
@@ -160,7 +162,9 @@ def comm_layout(run: RunConfig, pp_layers: list[int] | None) -> Layout:
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                   backend="nccl" if torch.cuda.is_available() else "gloo", precision=run.precision.dtype,
                   activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
-                  fused_head_loss=fused_head_loss(run.train, run.parallel))
+                  fused_head_loss=fused_head_loss(run.train, run.parallel),
+                  vocab_over_dp=shards_vocabulary_over_dp(run.parallel, fused_head_loss(run.train, run.parallel)),
+                  chunk_logits=chunk_logits_for(device))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.parallelize import local_region
 from t5forge.parallel.pipeline import Pipeline
+from t5forge.parallel.vocab_parallel import splits_vocabulary_over_tokens
 from t5forge.train.build import build_data, load_run_model
 from t5forge.train.forward import compute_context, model_inputs
 
@@ -47,18 +48,20 @@ class HeadSums:
             raise RuntimeError("the head was called during evaluation without labels (one call per batch)")
         self.labels = None
         vocab_start, group = 0, None
+        own_tokens = splits_vocabulary_over_tokens(head)  # rows split over dp ranks, each with its own tokens
         if isinstance(weight, DTensor):  # a vocab-parallel head
             if weight.device_mesh.ndim != 1 or not (weight.placements[0].is_shard(0)):
                 raise NotImplementedError(f"evaluating a head laid out as {weight.placements} on a "
-                                          f"{weight.device_mesh.ndim}-D mesh (expected Shard(0) on the tp mesh)")
+                                          f"{weight.device_mesh.ndim}-D mesh (expected Shard(0) on one mesh)")
             vocab_start, group = local_region(weight)[0].start, weight.device_mesh.get_group()
             weight = weight.to_local()
         if isinstance(hidden, DTensor):
             hidden = hidden.full_tensor()  # replicated already (sequence parallelism gathered it for the head)
-        loss, correct = token_loss_and_correct(hidden, weight, labels, vocab_start, group)
+        loss, correct = token_loss_and_correct(hidden, weight, labels, vocab_start, group, own_tokens=own_tokens)
         self.sums += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double(), correct.double()])
-        # The head itself gets one token ([1, 1, vocab] logits, discarded): DTensor's linear fails on none.
-        return (args[0][:1, :1], *args[1:])
+        # The head itself gets one token ([1, 1, vocab] logits, discarded): DTensor's linear fails on none;
+        # a head split over dp ranks gets none (it cannot give logits of tokens that differ between ranks).
+        return (args[0][:, :0] if own_tokens else args[0][:1, :1], *args[1:])
 
     def close(self) -> None:
         self.handle.remove()

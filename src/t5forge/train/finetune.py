@@ -32,6 +32,7 @@ from t5forge.models.hf import from_pretrained
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.mesh import Mesh
 from t5forge.parallel.parallelize import fsdp_gathered
+from t5forge.parallel.vocab_parallel import vocab_gathered
 from t5forge.train.checkpoint import BestModel
 from t5forge.train.checkpoint.store import on_rank_zero
 from t5forge.train.forward import autocast
@@ -149,7 +150,7 @@ class GenerationEvalHook(Hook):
             # decoder directly: one token through the root first. Then every unit stays gathered for the whole
             # generation (ZeRO-3 would gather the blocks, the embedding and the head again for every token).
             token = torch.full((1, 1), self.tokenizer.eos_id, device=device)
-            with torch.no_grad(), autocast(device, self.precision):
+            with torch.no_grad(), autocast(device, self.precision), vocab_gathered(model):
                 model(input_ids=token, decoder_input_ids=token)
             keep_gathered = fsdp_gathered(model, self.zero_stage)
         with keep_gathered, autocast(device, self.precision):

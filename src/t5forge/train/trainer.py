@@ -118,7 +118,8 @@ class Trainer:
                 self.pipeline = Pipeline(self.model, self.plan.pp_layers, self.parallel, self.mesh, self.accumulation,
                                          self.plan.micro_batch_size, self.plan.inputs_length, self.plan.targets_length)
             self.loss_group = self.mesh.group("pp", "dp")  # the loss lives on the last stage of every dp replica
-            self.audit_layout = comm_layout(run, self.plan.pp_layers) if run.train.comm_audit else None
+            self.audit_layout = (comm_layout(run, self.plan.pp_layers, self.device) if run.train.comm_audit
+                                 else None)
             # What the optimizer updates: the parameters, or (ZeRO-1) views of this rank's flat shards of them.
             shards = self.grad_sync.shard_views() if self.parallel.zero_stage == 1 else None
             self.optimizer = build_optimizer(self.model, run.optim, shards=shards)
