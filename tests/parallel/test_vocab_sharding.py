@@ -45,7 +45,16 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
                            *specs], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(out), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-5000:]
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in CASES}
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in [*CASES, "rows_split_over_ranks"]}
+
+
+def test_rows_split_over_ranks_compute_what_the_full_weights_do_per_element(results):
+    """ZeRO-3's embedding and fused head + loss with their rows split over ranks that each have tokens of their
+    own (parallel/vocab_parallel.py), against the full weights on every rank's tokens (vocab_sharding_worker.
+    check_rows_split_over_ranks): outputs, the rank's loss, and gradients, element by element."""
+    checks = results["rows_split_over_ranks"]
+    assert checks.pop("rows") == [0, 151]  # an uneven split: 151 + 150 rows of 301
+    assert checks == {name: "ok" for name in checks}, checks
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2_sp", "tp2_tied", "zero3", "zero3_tied"])

@@ -338,11 +338,15 @@ class GradientBuckets:
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
-        """ZeRO-1, after the optimizer step: every rank receives the sections the others updated."""
+        """ZeRO-1, after the optimizer step: every rank receives the sections the others updated. At most two
+        buckets' flat buffers exist at a time (one in flight while the previous one is copied out), not a
+        second copy of every parameter; the caller frees the views' gradients first."""
         if not self.shard or self.size == 1:
             return
-        pending = []
+        pending: list = []
         for bucket, layout in zip(self.buckets, self.layouts):
+            if len(pending) == 2:
+                self._copy_gathered(*pending.pop(0))
             data = [local(p.detach()) for p in bucket]
             flat = torch.empty(layout["total"], dtype=data[0].dtype, device=data[0].device)
             section = layout["section"]
@@ -350,8 +354,12 @@ class GradientBuckets:
             own.zero_()  # the padding, if this section has any
             for view, at in layout["views"]:
                 own[at:at + view.view.numel()].copy_(view.view)
-            pending.append((all_gather_single(flat, own, group=self.group, async_op=True), flat, data))
-        for (work, flat, data), layout in zip(pending, self.layouts):
-            work.wait()
-            for d, offset in zip(data, layout["offset"]):
-                d.copy_(flat[offset:offset + d.numel()].view_as(d))
+            pending.append((all_gather_single(flat, own, group=self.group, async_op=True), flat, data, layout))
+        for gathered in pending:
+            self._copy_gathered(*gathered)
+
+    @staticmethod
+    def _copy_gathered(work, flat: torch.Tensor, data: list[torch.Tensor], layout: dict) -> None:
+        work.wait()
+        for d, offset in zip(data, layout["offset"]):
+            d.copy_(flat[offset:offset + d.numel()].view_as(d))

@@ -310,13 +310,13 @@ class Trainer:
         self.last_parameter_norms = torch.stack([norm_of.get(id(p), zero) for p in self.params])
         found_inf = self.loss_scaler.update(self.last_grad_norm)
         optimizer_step(self.optimizer, found_inf, may_skip=self.loss_scaler.enabled)
-        if zero1:
+        for t in self.trained:  # ZeRO-1: its views' gradients (the parameters' were freed when reduced)
+            t.grad = None
+        if zero1:  # after the gradients are freed: the gathered buckets take their place
             self.grad_sync.all_gather_parameters()
         # As torch.amp.GradScaler: the schedule follows iterations, skipped fp16 steps included (knowing
         # whether a step was skipped would cost a host synchronisation).
         self.scheduler.step()
-        for t in self.trained:  # ZeRO-1: its views' gradients (the parameters' were freed when reduced)
-            t.grad = None
         self.phase("bookkeeping")
         if self.loss_group is not None:
             dist.all_reduce(total, group=self.loss_group)
