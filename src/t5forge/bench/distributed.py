@@ -284,9 +284,13 @@ def run_distributed_benchmark(output_dir: str | os.PathLike, work_dir: str | os.
         checkpoint = Path(step_checkpoint) if step_checkpoint else _random_checkpoint(work, STEP_PRESET, STEP_SHAPE)
         models = {(f"mT5-base width, {STEP_SHAPE['num_layers']}+{STEP_SHAPE['num_decoder_layers']} layers"
                    if not step_checkpoint else str(checkpoint)): {"path": str(checkpoint)}}
+        sources = {name: "from a random HF checkpoint made locally (mT5's 250112-word vocabulary: the embedding and "
+                         "the untied head dominate)" for name in models}
         if step_t5_small:
             models["t5-small"] = {"preset": "t5-small"}
+            sources["t5-small"] = "t5-small at random (32128-word vocabulary, the head tied to the embedding)"
         step = {"batch": "global 4 x (512 -> 114 tokens), micro-batches of 1", "targets": STEP_TARGETS,
+                "sources": sources,
                 "models": {name: _step_part(work, model, step_layouts) for name, model in models.items()}}
     result = {"machine": machine_info(), "model": "t5-small (60.5M parameters, fp32, AdamW)",
               "batch": "global 4 x (512 -> 114 tokens)", "steps": steps, "layouts": results,
@@ -393,8 +397,9 @@ def render_markdown(r: dict) -> str:
             f"## Training step: {model}",
             "",
             f"fp32, AdamW, `train.fused_loss` as by default, {step['batch']}; each layout in its own launch, one "
-            "after another, from a random HF checkpoint made locally (mT5's 250112-word vocabulary: the embedding "
-            "and the untied head dominate). Per rank, the model state from its tensors; the optimizer state's "
+            f"after another, {step.get('sources', {}).get(model, 'from ' + model)}. Under ZeRO-3 the embedding's "
+            "and the head's rows stay split over dp and the tokens travel (parallel/vocab_parallel.py). Per rank, "
+            "the model state from its tensors; the optimizer state's "
             "smallest and largest rank, and the largest over its even share of one process's (1.00 = exactly "
             "1/ranks); the peak bytes of live tensors over the third step (the first builds the optimizer "
             "state): the allocator's peak on a GPU; on a CPU the profiler's allocations and frees summed in "

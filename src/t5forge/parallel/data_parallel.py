@@ -15,7 +15,9 @@ What each stage shards across the dp ranks, and when data moves:
      micro-batches of a step: the trainer sets reshard_after_backward on the last one only); gradients
      are reduce-scattered, each rank updates its shard.
 - 3: parameters too (FSDP2, reshard_after_forward=True): parameters are gathered again for the backward
-     pass and freed after each block, so a rank holds 1/dp of the model between uses.
+     pass and freed after each block, so a rank holds 1/dp of the model between uses. With the loss fused
+     with the head (tp = pp = 1), the embedding and the head are never gathered: their rows stay split over
+     dp and the tokens are gathered instead (vocab_parallel.py).
 
 Stages 0 and 1 are written here rather than with DDP / ZeroRedundancyOptimizer because those take only
 plain tensors: with tensor parallelism the parameters are DTensors (each rank reduces its local shards
