@@ -132,6 +132,8 @@ def test_a_head_fused_with_the_loss_is_not_gathered_for_its_backward_pass(config
     assert layout.vocab_over_dp is fused  # and then split over dp, not FSDP units (tp = pp = 1)
     model = T5Config(**TINY_MODEL, tie_word_embeddings=False)
     shapes = Shapes(micro_batch_size=2, accumulation=3, inputs_length=64, targets_length=14)
+    # The FSDP units' gathers with the head fused (a pipeline's last stage: with pp = 1 the rows are split over
+    # dp instead, vocab_over_dp, and these units do not exist)
     unfused, fused_ = (totals(step_requirements(model, shapes, Layout(dp=2, zero_stage=3, fused_head_loss=f)))
                        for f in (False, True))
     head = TINY_MODEL["vocab_size"] * TINY_MODEL["d_model"]  # an even vocabulary: no FSDP padding at dp=2

@@ -25,6 +25,7 @@ from t5forge.inference import generate_from_ids
 from t5forge.models.t5 import named_blocks
 from t5forge.parallel.parallelize import fsdp_gathered
 from t5forge.parallel.vocab_parallel import splits_vocabulary_over_tokens, vocab_gathered
+from t5forge.train.forward import autocast
 from t5forge.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
@@ -58,7 +59,7 @@ class AllGathers(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def watch_generation(trainer) -> dict[str, int]:
+def watch_generation(trainer) -> dict:
     """All-gathers of a short generation under ZeRO-3, with every unit kept gathered (fsdp_gathered: at entry,
     and inside the generation) and with the root only (inside: each decode step gathers the others again)."""
     model, device = trainer.model, trainer.mesh.device
@@ -68,17 +69,18 @@ def watch_generation(trainer) -> dict[str, int]:
     with torch.no_grad(), vocab_gathered(model):
         model(input_ids=token, decoder_input_ids=token)  # FSDP's lazy set-up, as finetune does
     counts = {}
-    with AllGathers() as mode:
+    with AllGathers() as mode, autocast(device, trainer.precision):  # as finetune generates
         with fsdp_gathered(model, trainer.parallel.zero_stage):
             counts["kept: at entry"] = mode.count
-            generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
+            kept = generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)[0]
             counts["kept: inside"] = mode.count - counts["kept: at entry"]
     model.unshard()  # the root only, as generation calls the stacks directly (the previous finetune code)
-    with vocab_gathered(model), AllGathers() as mode:
-        generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)
+    with vocab_gathered(model), AllGathers() as mode, autocast(device, trainer.precision):
+        not_kept = generate_from_ids(model, tokenizer, inputs, max_new_tokens=4)[0]
     model.reshard()
     counts["not kept: inside"] = mode.count
     counts["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    counts["predictions"] = [kept, not_kept]
     return counts
 
 
@@ -170,8 +172,10 @@ def check_rows_split_over_ranks(out: Path) -> None:
     per_token = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none").view(ranks, -1)
     (per_token.sum() * scale / ranks).backward()
     mine = hidden[rank].clone().requires_grad_()
-    loss = linear_cross_entropy_sum(mine, model.lm_head.weight.to_local(), labels[rank], chunk_logits=7 * 151,
-                                    vocab_start=start, group=dist.group.WORLD)
+    # Chunks sized by the largest shard's 151 rows on both ranks: 6 tokens each (by its own 150 rows rank 1
+    # would take 7, and issue fewer collectives than rank 0: the job would hang).
+    loss = linear_cross_entropy_sum(mine, model.lm_head.weight.to_local(), labels[rank], chunk_logits=6 * 151 + 10,
+                                    vocab_start=start, group=dist.group.WORLD, shard_rows=151)
     (loss * scale).backward()
     checks["loss of the rank's tokens"] = compare(loss, per_token[rank].sum(), rtol=1e-6, atol=1e-5)
     # The reference's hidden gradient of this rank's tokens came through 1/ranks of the loss: scaled back.

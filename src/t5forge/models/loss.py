@@ -10,6 +10,12 @@ then only scales the saved gradients by the incoming one, in place, and hands th
 log-softmax and its gradient, [tokens, vocab] each, never exist for the whole batch (for mT5's 250k
 vocabulary they dwarf every activation), and the head's gradient exists once per micro-batch in flight.
 
+With a process group (`group`: ZeRO-3's vocabulary split over data-parallel ranks, parallel/vocab_parallel.py)
+each rank holds rows of the head and tokens of its own: the tokens are all-gathered, each rank computes their
+logits over its rows, two numbers per token meet per chunk to finish the softmax, and the hidden states'
+gradients (partial over the rows, fp32) are reduce-scattered back, all in the forward pass; the rows'
+gradient covers every rank's tokens and is averaged over the ranks.
+
 `token_loss_and_correct` is evaluation's counterpart (no gradients): the summed loss and the number of
 correct argmax predictions, chunk by chunk, from one shard of the vocabulary or all of it; with a
 vocabulary split over tensor-parallel ranks only four numbers per token cross between them.
@@ -118,13 +124,19 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             mine = slice(dist.get_rank(group) * tokens, (dist.get_rank(group) + 1) * tokens)
             hidden, labels = gather_rows(hidden, group), gather_rows(labels, group)
         token_loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        # Over a group the hidden states' gradients are partial sums over the ranks' rows: kept in fp32 until
+        # they are summed, as tensor parallelism sums its input gradients.
+        grad_hidden = None
+        if want_hidden:
+            grad_hidden = torch.empty_like(hidden, dtype=torch.float32 if group is not None else hidden.dtype)
         starts = range(0, hidden.shape[0], chunk_tokens)
         # The head's gradient accumulates in fp32 over chunks, whatever the compute dtype; a single chunk's
         # product is the gradient itself in the compute dtype (half the bytes of fp32 under bf16), rounded once
         # there and once more when backward scales it in fp32 and stores it back (the tests allow for both).
+        # Over a group the product sums every rank's tokens, dp times more than one micro-batch's: fp32 (an
+        # fp16 product could overflow before the loss scale is divided out).
         grad_weight = None
-        if want_weight and len(starts) > 1:
+        if want_weight and (len(starts) > 1 or group is not None):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in starts:
             h, y = hidden[start:start + chunk_tokens], labels[start:start + chunk_tokens]
@@ -156,7 +168,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if group is not None and want_hidden:  # partial sums over the rows: each rank keeps its tokens' total
             summed = grad_hidden.new_empty(grad_hidden.shape[0] // ranks, *grad_hidden.shape[1:])
             reduce_scatter_single(summed, grad_hidden, group=group)
-            grad_hidden = summed
+            grad_hidden = summed.to(hidden.dtype)
         # Kept on ctx, not saved for backward: backward takes them and drops ctx's references, so the
         # head's gradient (vocab x d_model) is scaled in place and handed to autograd, which keeps it as the
         # weight's .grad (fp32, first micro-batch) or adds it there and frees it, with no second copy.
@@ -183,7 +195,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              chunk_logits: int | None = None, vocab_start: int = 0,
-                             group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                             group: dist.ProcessGroup | None = None, shard_rows: int | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` against `labels` (-100: ignored).
 
     hidden [..., d_model], weight [vocab, d_model], labels [...]; chunk_logits: at most this many logits per
@@ -196,11 +208,13 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     each rank computes the logits of every token for its rows, two numbers per token meet to finish the
     softmax, and the hidden states' gradients (partial over the rows) are reduce-scattered back to their
     tokens' rank. Returns the loss of this rank's tokens; the rows' gradient is averaged over the ranks, and
-    assumes every rank scales its loss alike (as the trainer does). No rank ever holds the whole head."""
+    assumes every rank scales its loss alike (as the trainer does). No rank ever holds the whole head.
+    `shard_rows`: the rows of the largest rank's shard (uneven splits): every rank sizes its chunks by it,
+    so that all issue the same collectives (ranks on devices of one model: the budget is the device's)."""
     hidden, weight = _compute_operands(hidden, weight)
     ranks = dist.get_world_size(group) if group is not None else 1
-    chunk_tokens = chunk_tokens_for(ranks * hidden.shape[0], weight.shape[0], hidden.device, chunk_logits,
-                                    MIN_CHUNK_TOKENS if chunk_logits is None else 1)
+    chunk_tokens = chunk_tokens_for(ranks * hidden.shape[0], shard_rows or weight.shape[0], hidden.device,
+                                    chunk_logits, MIN_CHUNK_TOKENS if chunk_logits is None else 1)
     with torch.autocast(hidden.device.type, enabled=False):
         return _LinearCrossEntropySum.apply(hidden, weight, labels.reshape(-1), chunk_tokens, vocab_start, group)
 

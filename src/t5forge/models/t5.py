@@ -206,7 +206,7 @@ class T5Attention(nn.Module):
         hidden_states: torch.Tensor,
         attn_bias: torch.Tensor | None,
         key_value_states: torch.Tensor | None = None,
-        cache: dict[str, torch.Tensor] | None = None,
+        cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         """hidden_states [batch, q_len, d_model]; key_value_states [batch, k_len, d_model] for
         cross-attention; attn_bias broadcastable to [batch, heads, q_len, k_len] (position bias + mask).
@@ -220,14 +220,14 @@ class T5Attention(nn.Module):
             return x.view(batch, x.shape[1], -1, self.d_kv).transpose(1, 2)
 
         query = heads(self.q(hidden_states))
-        if cache is not None and key_value_states is not None and "key" in cache:
-            key, value = cache["key"], cache["value"]
+        if cache is not None and key_value_states is not None and cache.key is not None:
+            key, value = cache.key, cache.value
         else:
             key, value = heads(self.k(source)), heads(self.v(source))
             if cache is not None:
-                if key_value_states is None and "key" in cache:
-                    key, value = torch.cat([cache["key"], key], dim=2), torch.cat([cache["value"], value], dim=2)
-                cache["key"], cache["value"] = key, value
+                if key_value_states is None and cache.key is not None:
+                    key, value = torch.cat([cache.key, key], dim=2), torch.cat([cache.value, value], dim=2)
+                cache.key, cache.value = key, value
         if attn_bias is not None:
             attn_bias = attn_bias.to(query.dtype)
         out = F.scaled_dot_product_attention(
@@ -246,7 +246,7 @@ class T5LayerSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states: torch.Tensor, attn_bias: torch.Tensor | None,
-                cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None) -> torch.Tensor:
         attended = self.SelfAttention(self.layer_norm(hidden_states), attn_bias, cache=cache)
         return hidden_states + self.dropout(attended)
 
@@ -260,7 +260,7 @@ class T5LayerCrossAttention(nn.Module):
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, attn_bias: torch.Tensor | None,
-        cache: dict[str, torch.Tensor] | None = None,
+        cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         attended = self.EncDecAttention(self.layer_norm(hidden_states), attn_bias, encoder_hidden_states,
                                         cache=cache)
@@ -338,7 +338,7 @@ class T5Block(nn.Module):
         mask: torch.Tensor | None,
         encoder_hidden_states: torch.Tensor | None = None,
         cross_attn_bias: torch.Tensor | None = None,
-        cache: dict[str, dict[str, torch.Tensor]] | None = None,
+        cache: BlockCache | None = None,
         past_length: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the new hidden states and the self-attention bias (position bias + mask) that the
@@ -355,7 +355,7 @@ class T5Block(nn.Module):
             # Cast once for every block of the stack, to the dtype of the attention's queries (autocast's):
             # a cast per layer would copy [batch, heads, len, len] each time, forward and backward.
             position_bias = position_bias.to(compute_dtype(hidden_states))
-        self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
+        self_cache, cross_cache = (None, None) if cache is None else (cache.self, cache.cross)
         hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias, self_cache))
         if self.is_decoder:
             hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias,
@@ -374,20 +374,38 @@ def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
+class AttentionCache:
+    """One attention layer's cached keys and values, [batch, heads, len, d_kv] each (None before the first
+    step). Plain objects rather than dicts: what wraps a block may rebuild the containers among its inputs
+    (FSDP2 casting floating inputs under mixed precision does), and the layer's writes into a copy would be
+    lost."""
+
+    def __init__(self):
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+
+class BlockCache:
+    def __init__(self):
+        self.self, self.cross = AttentionCache(), AttentionCache()
+
+
 class KVCache:
     """The decoder's keys and values kept between generation steps, filled by the attention layers: per
     block, self-attention's grow by the positions of each step, cross-attention's (of the encoder output)
     are computed at the first step. `length`: the positions cached so far."""
 
     def __init__(self, num_blocks: int):
-        self.blocks: list[dict[str, dict[str, torch.Tensor]]] = [{"self": {}, "cross": {}} for _ in range(num_blocks)]
+        self.blocks = [BlockCache() for _ in range(num_blocks)]
         self.length = 0
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows `index` of the self-attention cache (beam search: the beams that go on). The
         cross-attention rows of one input's beams are equal, so they need no reordering."""
         for block in self.blocks:
-            block["self"] = {name: t.index_select(0, index) for name, t in block["self"].items()}
+            if block.self.key is not None:
+                block.self.key = block.self.key.index_select(0, index)
+                block.self.value = block.self.value.index_select(0, index)
 
 
 class T5Stack(nn.Module):

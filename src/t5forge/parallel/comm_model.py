@@ -4,8 +4,9 @@ was issued with this; the planner reuses it).
 
 Bytes are the logical payload per rank (see comm_audit.py): the buffer of an all-reduce, the gathered
 output of an all-gather, the full input of a reduce-scatter, the tensor of a broadcast; fp32 unless said
-otherwise (mixed precision changes the dtype of the attention/FFN output projections' collectives and of
-FSDP's bf16 parameter gathers, nothing else). Per step, with M
+otherwise (mixed precision changes the dtype of the attention/FFN output projections' collectives, of
+FSDP's bf16 parameter gathers and of the token collectives of ZeRO-3's vocabulary split, nothing else).
+Per step, with M
 micro-batches of b samples, S input and T target tokens, hidden size d, L_e encoder and L_d decoder layers:
 
 Tensor parallel (Megatron's split), per micro-batch, over tp:
@@ -33,7 +34,8 @@ Data parallel, over dp, once per step (gradient accumulation communicates only o
   in the forward pass, once per step with ZeRO-2 (kept gathered across micro-batches), per micro-batch
   with ZeRO-3 (the untied embedding twice: for the encoder's and the decoder's lookups), which also
   all-gathers every block and the untied head again in the backward pass (not the embedding, whose
-  backward pass does not read it, nor the head when fused with the loss: Layout.fused_head_loss); one
+  backward pass does not read it, nor the head when fused with the loss, which with tp = pp = 1 splits
+  them over dp instead, below: Layout.fused_head_loss); one
   reduce-scatter of each unit's gradients. FSDP2 pads dim 0 of every parameter to a multiple of dp; the
   padding is part of the bytes.
 - ZeRO-3 with the fused loss (Layout.vocab_over_dp: vocab_parallel.py) has no embedding or head unit: their
@@ -41,9 +43,9 @@ Data parallel, over dp, once per step (gradient accumulation communicates only o
   ids [b, T]) all-gathers the ids (int64), reduce-scatters the partial embeddings [dp x b x len, d] and, in
   the backward pass, all-gathers their gradients; the head all-gathers the hidden states [b x T, d] and the
   labels (int64), then per chunk of the loss (models/loss.chunk_tokens_for over the dp x b x T tokens and
-  the rank's vocab / dp rows, Layout.chunk_logits) all-gathers two fp32 numbers per token, and
-  reduce-scatters the hidden states' gradients. Embeddings travel in FSDP's bf16 parameter dtype under
-  bf16, the head's tensors in the autocast dtype under bf16 and fp16.
+  the largest rank's ceil(vocab / dp) rows, Layout.chunk_logits) all-gathers two fp32 numbers per token,
+  and reduce-scatters the hidden states' gradients (fp32 partial sums). Embeddings travel in FSDP's bf16
+  parameter dtype under bf16, the head's hidden states in the autocast dtype under bf16 and fp16.
 
 Pipeline parallel, over pp, per micro-batch and stage boundary (parallel/pipeline.py): one send of each
 activation the next stage receives (the encoder hidden states; into and inside the decoder the encoder
@@ -196,7 +198,7 @@ def _vocab_over_dp(config: T5Config, layout: Layout, shapes: Shapes) -> list[Req
     # One all-gather per chunk: [dp, 2, chunk] fp32 each, two numbers per token of every rank in all.
     out.append(Requirement("all_gather", "dp", M * chunks, M * dp * 2 * tokens * FP32,
                            "log-sum-exp and label logit per token"))
-    need("reduce_scatter", M, tokens * d, hidden, "LM head input gradient")
+    need("reduce_scatter", M, tokens * d, FP32, "LM head input gradient")
     return out
 
 

@@ -71,7 +71,8 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
 
     `fused_head_loss`: the head's backward pass never reads its weight, as when training calls it only with
     labels (T5LMHead: models/loss.py computes both gradients in its forward pass, the backward pass scales
-    them): then an untied head is not all-gathered again for its backward pass."""
+    them): then an untied head is not all-gathered again for its backward pass (under ZeRO-3 that is left
+    to pipelines' last stages: without one, the fused head is split over dp instead, `vocab_sharded`)."""
     if zero_stage not in (2, 3):
         raise ConfigError(f"apply_fsdp implements ZeRO stages 2 and 3, not {zero_stage}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -79,10 +80,11 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     for stack in (model.encoder, model.decoder):
         for block in stack.block:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    # The embedding and the head are most of a large-vocabulary model (mT5: 2 x 250k x d_model): under ZeRO-3
-    # each is gathered for its use and freed after it, as TorchTitan's token embedding and output units. The
-    # embedding is gathered for each of its two lookups (encoder and decoder ids) and not at all in the
-    # backward pass, which does not read it. The fused loss is a call of the head module: gathered for it too.
+    # The embedding and the head are most of a large-vocabulary model (mT5: 2 x 250k x d_model): unless split
+    # over dp (`vocab_sharded`), under ZeRO-3 each is gathered for its use and freed after it, as TorchTitan's
+    # token embedding and output units. The embedding is gathered for each of its two lookups (encoder and
+    # decoder ids) and not at all in the backward pass, which does not read it. The fused loss (a pipeline's
+    # last stage) is a call of the head module: gathered for it too.
     if vocab_sharded:
         pass  # no full-vocabulary tensor is ever gathered: the tokens travel instead
     elif model.config.tie_word_embeddings:
@@ -341,8 +343,8 @@ class GradientBuckets:
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
         """ZeRO-1, after the optimizer step: every rank receives the sections the others updated. At most two
-        buckets' flat buffers exist at a time (one in flight while the previous one is copied out), not a
-        second copy of every parameter; the caller frees the views' gradients first."""
+        buckets' flat buffers exist at a time (two all-gathers in flight; the older is copied out before the
+        next starts), not a second copy of every parameter; the caller frees the views' gradients first."""
         if not self.shard or self.size == 1:
             return
         pending: list = []

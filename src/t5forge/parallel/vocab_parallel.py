@@ -131,10 +131,11 @@ def apply_vocab_parallel(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh,
                                "loss): it gives logits only inside vocab_gathered(model)")
         start, _ = _rows(head.weight)
         return linear_cross_entropy_sum(hidden, _compute_weight(head, param_dtype), labels, vocab_start=start,
-                                        group=group)
+                                        group=group, shard_rows=-(-head.weight.shape[0] // dp_mesh.size()))
 
     embedding.forward, head.forward = lookup, project
     embedding.gathered_weight = head.gathered_weight = None
+    embedding.gathered_dtype = head.gathered_dtype = param_dtype
     embedding.vocab_split_over_tokens = head.vocab_split_over_tokens = True
     return model
 
@@ -147,17 +148,19 @@ def splits_vocabulary_over_tokens(module: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def vocab_gathered(model: T5ForConditionalGeneration):
-    """The embedding's and the head's full weights on every rank for the duration (all-gathered once, no
-    gradient), when apply_vocab_parallel split them; nothing otherwise. For generation, whose ranks decode
+    """The embedding's and the head's full weights on every rank for the duration (all-gathered once, in the
+    mixed-precision parameter dtype, no gradient), when apply_vocab_parallel split them; nothing otherwise,
+    nor for modules an enclosing vocab_gathered holds gathered already. For generation, whose ranks decode
     prompts of their own lengths (the split modules need equal shapes on every rank) one token at a time."""
     modules = [m for m in (model.shared, getattr(model, "lm_head", None))
-               if m is not None and splits_vocabulary_over_tokens(m)]
+               if m is not None and splits_vocabulary_over_tokens(m) and m.gathered_weight is None]
     full = {}
     try:
         for module in modules:
             weight = module.weight
             if id(weight) not in full:
-                full[id(weight)] = weight.detach().full_tensor()
+                gathered = weight.detach().full_tensor()
+                full[id(weight)] = gathered.to(module.gathered_dtype) if module.gathered_dtype else gathered
             module.gathered_weight = full[id(weight)]
         yield model
     finally:

@@ -29,7 +29,9 @@ class HeadSums:
     head's input and weight as the head would use them (after tensor parallelism has laid out the input,
     inside FSDP's gathering of the weight), adds [loss sum, tokens, correct predictions] of `labels` to
     `sums` (fp64, on the device) with `token_loss_and_correct`, and hands the head one token: neither the
-    logits of the batch nor, under tensor parallelism, their gathering ever exist."""
+    logits of the batch nor, under tensor parallelism, their gathering ever exist. A head whose rows are
+    split over dp ranks (ZeRO-3 with the fused loss: vocab_parallel.py) is never gathered: the ranks' tokens
+    are (equal shapes on every rank, as evaluation's batches are), and the head gets no token."""
 
     def __init__(self, head: nn.Module, sums: torch.Tensor):
         self.sums, self.labels = sums, None

@@ -144,16 +144,18 @@ class GenerationEvalHook(Hook):
         mine = self.examples[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
         real = len(mine)
         mine = mine + [self.examples[-1]] * (per_rank - real)  # equal counts on every dp rank
-        keep_gathered = contextlib.nullcontext()
-        if self.fsdp:
-            # FSDP sets itself up in the root module's first forward pass, and generation calls the encoder and
-            # decoder directly: one token through the root first. Then every unit stays gathered for the whole
-            # generation (ZeRO-3 would gather the blocks, the embedding and the head again for every token).
-            token = torch.full((1, 1), self.tokenizer.eos_id, device=device)
-            with torch.no_grad(), autocast(device, self.precision), vocab_gathered(model):
-                model(input_ids=token, decoder_input_ids=token)
-            keep_gathered = fsdp_gathered(model, self.zero_stage)
-        with keep_gathered, autocast(device, self.precision):
+        with contextlib.ExitStack() as keep_gathered:
+            if self.fsdp:
+                # FSDP sets itself up in the root module's first forward pass, and generation calls the encoder
+                # and decoder directly: one token through the root first (an embedding and head split over dp,
+                # which take equal shapes on every rank, gathered for it and kept so). Then every unit stays
+                # gathered for the whole generation (ZeRO-3 would gather the blocks again for every token).
+                keep_gathered.enter_context(vocab_gathered(model))
+                token = torch.full((1, 1), self.tokenizer.eos_id, device=device)
+                with torch.no_grad(), autocast(device, self.precision):
+                    model(input_ids=token, decoder_input_ids=token)
+                keep_gathered.enter_context(fsdp_gathered(model, self.zero_stage))
+            keep_gathered.enter_context(autocast(device, self.precision))
             predictions, _ = generate_from_ids(
                 model, self.tokenizer, [e.input_ids for e in mine], self.batch_size,
                 stop_group=mesh.dp_group if self.fsdp and mesh.dp_size > 1 else None, **self.generate)
