@@ -133,3 +133,10 @@ def test_generation_keeps_every_unit_gathered_under_zero3(case, results):
     # ... and none per decode step; which is what the observation sees without keeping them.
     assert counts["kept: inside"] == 0
     assert counts["not kept: inside"] > counts["units"]
+
+
+def test_the_run_log_says_where_the_vocabulary_is(results):
+    assert results["zero3"]["described"] == ("vocabulary: 2426 words; embedding and head rows split over dp=2, 1213 "
+                                             "per rank; the tokens are gathered to them (ZeRO-3 with the fused loss)")
+    assert results["zero3_unfused"]["described"].endswith("FSDP units over dp=2")  # 2 x 1213: no padding
+    assert results["tp2"]["described"].endswith("rows split over tp=2, 1213 per rank")

@@ -191,7 +191,8 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
     name, _, extra = case.partition("=")
     overrides = [*base_overrides(data, tokenizer, str(out / name)), "train.max_steps=1", *extra.split(";")]
     trainer = Trainer(load_config(None, overrides), echo=lambda *_: None)
-    result = {"vocab_size": trainer.model_config.vocab_size, "d_model": trainer.model_config.d_model}
+    result = {"vocab_size": trainer.model_config.vocab_size, "d_model": trainer.model_config.d_model,
+              "described": trainer.describe_vocabulary()}
     if trainer.mesh.tp_size > 1 or splits_vocabulary_over_tokens(trainer.model.shared):
         with LocalShapes() as mode:
             trainer.run_training([])

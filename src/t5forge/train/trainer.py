@@ -48,6 +48,7 @@ from t5forge.parallel.mesh import build_mesh, world_size_from_env
 from t5forge.parallel.parallelize import COMPUTE_DTYPES, compile_counters, compile_warning, unwrap_name
 from t5forge.parallel.pipeline import Pipeline, describe_split
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
+from t5forge.parallel.vocab_parallel import shards_vocabulary_over_dp
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.build import build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
@@ -194,6 +195,24 @@ class Trainer:
         return {"world_size": dist.get_world_size(), "dp": p.dp, "tp": p.tp, "pp": p.pp,
                 "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
 
+    def describe_vocabulary(self) -> str:
+        """Where the embedding's and the head's rows are, and the padding or uneven split of the layout."""
+        vocab, p = self.model_config.vocab_size, self.parallel
+        rows = -(-vocab // p.dp)
+        if shards_vocabulary_over_dp(p, self.fused_head_loss):
+            uneven = f", the last rank {vocab - rows * (p.dp - 1)}" if vocab % p.dp else ""
+            where = (f"rows split over dp={p.dp}, {rows} per rank{uneven}; the tokens are gathered to them "
+                     "(ZeRO-3 with the fused loss)")
+        elif p.tp > 1:
+            where = f"rows split over tp={p.tp}, {vocab // p.tp} per rank"
+        elif p.zero_stage >= 2 and p.dp > 1:
+            padding = rows * p.dp - vocab
+            where = f"FSDP units over dp={p.dp}" + (f", padded with {padding} rows" if padding else "")
+        else:
+            zero1 = " (ZeRO-1: their optimizer state in equal sections)" if p.zero_stage == 1 and p.dp > 1 else ""
+            where = "whole on every rank" + zero1
+        return f"vocabulary: {vocab} words; embedding and head {where}"
+
     def describe(self, name: str, build_seconds: float) -> str:
         s = summarize(self.model_config)
         memory = s.training_gib(mixed_precision=self.precision != "fp32")
@@ -207,6 +226,7 @@ class Trainer:
                  f"accumulation {plan.accumulation}; {plan.inputs_length} -> {plan.targets_length} tokens; "
                  f"{plan.max_steps} steps; {len(self.data.train)} training samples per epoch; device {self.device}, "
                  f"{self.precision}"]
+        lines.append(self.describe_vocabulary())
         if plan.pp_layers is not None:
             lines.append(f"pipeline: pp={self.parallel.pp}, {self.parallel.pp_schedule}, {len(plan.pp_layers)} "
                          f"stages, blocks per stage {plan.pp_layers}\n"
