@@ -189,6 +189,7 @@ def test_gpu_check_dry_run_passes_on_the_emulated_gpu_image_and_reports_every_ch
     assert all(d == 0 for d in checks["activation_checkpointing"]["max_rel_diff"].values())
     fake = checks["fake_pg_world8"]
     assert fake["steps_run"] == 2 and fake["layout"]["world_size"] == 8 and fake["layout"]["tp"] == 4
+    assert fake["dp8_vocab_split"]["steps_run"] == 2 and "split over dp=8" in fake["dp8_vocab_split"]["vocabulary"]
     assert checks["dp2_gloo"]["max_rel_diff"] < 1e-5 and len(checks["dp2_gloo"]["losses_dp2"]) == 4
     assert checks["compile"]["max_rel_diff"] < 1e-5 and "compile_counters" in checks["compile"]
     bench = checks["bench_vs_transformers"]
