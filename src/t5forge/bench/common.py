@@ -83,5 +83,9 @@ def run_job(command: list[str], processes: int, scratch: str | os.PathLike, what
     between them, temporary files in `scratch`; raises, naming `what`, with the end of its error output
     when it fails."""
     job, = launch(command, processes, capture=True, scratch=scratch, share_cores=True)
+    if job.returncode != 0 and "EADDRINUSE" in (job.stderr or ""):
+        # torchrun --standalone picks a free port, and the ranks bind it seconds later, once imported: another
+        # job starting meanwhile (benchmarks beside tests) can take it. Nothing ran yet: once more.
+        job, = launch(command, processes, capture=True, scratch=scratch, share_cores=True)
     if job.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{job.stderr[-4000:]}")

@@ -144,7 +144,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             valid = y != IGNORE_INDEX
             rows = y - vocab_start
             held = valid & (rows >= 0) & (rows < weight.shape[0])  # the label's row is one of these
-            target = rows.clamp(0, weight.shape[0] - 1).unsqueeze(1)
+            # (a label beyond a whole head still fails in the gather, as F.cross_entropy would)
+            target = (rows.clamp(0, weight.shape[0] - 1) if group is not None else rows.clamp(min=0)).unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
             label_logit = logits.gather(1, target).squeeze(1).masked_fill(~held, 0.0)
             if group is not None:  # each rank's log-sum-exp and label logit of its rows: 2 numbers per token
