@@ -1,12 +1,14 @@
 import json
 import shutil
 
+import pytest
 import torch
 
 from t5forge.bench.distributed import run_distributed_benchmark
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
 
+@pytest.mark.e2e  # five launches of the whole benchmark, t5-small among them: ~4 minutes of the 2-core budget
 def test_distributed_benchmark_measures_each_layout_in_its_own_launch(corpus_file, tokenizer_dir, tmp_path):
     work = tmp_path / "work: #1"  # YAML syntax in the path: the run config must quote it
     work.mkdir()
