@@ -78,10 +78,21 @@ def _local_bytes(tensors) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
+def _model_state_mib(trainer) -> dict:
+    """This rank's parameters, gradients and optimizer state in MiB, from its local tensors. Gradients have
+    the shape of the local parameters (full under ZeRO-0/1, shards under 2/3); the optimizer state's scalar
+    step counters are left out."""
+    import torch
+
+    params = _local_bytes(trainer.params) / 2**20
+    optimizer = [v for state in trainer.optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return {"parameters_mib": params, "gradients_mib": params, "optimizer_mib": _local_bytes(optimizer) / 2**20}
+
+
 def worker(config: str, out: str, overrides: list[str]) -> None:
     """Run under torchrun: train (the run directory is OUT/run), then write this rank's memory report to
     OUT/rank{R}.json."""
-    import torch
     import torch.distributed as dist
 
     from t5forge.config import load_config
@@ -94,15 +105,10 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     trainer = Trainer(run, echo=lambda *_: None)
     timer = StepTimer(trainer.grad_sync)
     trainer.run_training(default_hooks(trainer, tensorboard=False) + [timer])
-    optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
-                         if isinstance(v, torch.Tensor) and v.numel() > 1]
-    params = _local_bytes(trainer.params)
-    report = {"rank": dist.get_rank(), "parameters_mib": params / 2**20,
-              # Gradients have the shape of the local parameters (full under ZeRO-0/1, shards under 2/3).
-              "gradients_mib": params / 2**20, "optimizer_mib": _local_bytes(optimizer_tensors) / 2**20,
-              "peak_mib": peak_memory_mib(trainer.device), **timer.summary()}
+    report = {"rank": dist.get_rank(), **_model_state_mib(trainer), "peak_mib": peak_memory_mib(trainer.device),
+              **timer.summary()}
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    del trainer, timer, optimizer_tensors
+    del trainer, timer
     gc.collect()  # communication handles must not be freed during interpreter shutdown (see cli.cmd_train)
     dist.destroy_process_group()
 
@@ -142,7 +148,8 @@ def _held_bytes(trainer) -> int:
     from t5forge.parallel.data_parallel import local
 
     tensors = [*trainer.params, *(p.grad for p in trainer.params if p.grad is not None), *trainer.model.buffers(),
-               *(v for state in trainer.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+               *(v for state in trainer.optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor))]
     storages = {}
     for t in tensors:
         storage = local(t).untyped_storage()
@@ -153,7 +160,6 @@ def _held_bytes(trainer) -> int:
 def step_worker(config: str, out: str, overrides: list[str]) -> None:
     """Run under torchrun: three training steps on the run's data (the first builds the optimizer state, the
     second is timed plainly, the third under LiveTensorPeak), then this rank's report to OUT/rank{R}.json."""
-    import torch
     import torch.distributed as dist
 
     from t5forge.config import load_config
@@ -173,14 +179,10 @@ def step_worker(config: str, out: str, overrides: list[str]) -> None:
         with LiveTensorPeak(trainer.device, _held_bytes(trainer)) if step == 2 else _Timer() as measured:
             float(trainer.train_step(micro_batches))  # waits for the step
         seconds.append(measured.seconds)
-    optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
-                         if isinstance(v, torch.Tensor) and v.numel() > 1]
-    params = _local_bytes(trainer.params)
-    report = {"rank": dist.get_rank(), "parameters_mib": params / 2**20, "gradients_mib": params / 2**20,
-              "optimizer_mib": _local_bytes(optimizer_tensors) / 2**20, "step_peak_mib": measured.mib,
+    report = {"rank": dist.get_rank(), **_model_state_mib(trainer), "step_peak_mib": measured.mib,
               "step_s": seconds[1], "measured_step_s": seconds[2]}
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    del trainer, loader, optimizer_tensors
+    del trainer, loader
     gc.collect()
     dist.destroy_process_group()
 
@@ -411,7 +413,8 @@ def render_markdown(r: dict) -> str:
             ["layout", "processes", "parameters MiB", "gradients MiB", "optimizer MiB min / max",
              "optimizer max / share", "step peak MiB (largest rank)", "peak / one process", "s", "s measured"],
             [[name, str(e["processes"]), f"{e['largest_rank']['parameters_mib']:.0f}",
-              f"{e['largest_rank']['gradients_mib']:.0f}", f"{e['optimizer_min_mib']:.0f} / {e['optimizer_max_mib']:.0f}",
+              f"{e['largest_rank']['gradients_mib']:.0f}",
+              f"{e['optimizer_min_mib']:.0f} / {e['optimizer_max_mib']:.0f}",
               _format(e["optimizer_max_over_share"], "{:.2f}"), f"{e['largest_rank']['step_peak_mib']:.0f}",
               _format(e["peak_ratio"], "{:.2f}x"), f"{max(x['step_s'] for x in e['ranks']):.1f}",
               f"{max(x['measured_step_s'] for x in e['ranks']):.1f}"] for name, e in layouts.items()])

@@ -81,6 +81,7 @@ from t5forge.parallel.pipeline import (
     rank_stages,
     stage_specs,
 )
+from t5forge.parallel.vocab_parallel import rows_per_rank
 
 FP32, FP64 = 4, 8
 COLUMN_SPLIT = ("q", "k", "v", "wi", "wi_0", "wi_1")  # Linear weights [out, in]: out (dim 0) split over tp
@@ -191,7 +192,7 @@ def _vocab_over_dp(config: T5Config, layout: Layout, shapes: Shapes) -> list[Req
         need("reduce_scatter", M, dp * b * length * d, embedded, f"embedding output ({stack})")
         need("all_gather", M, dp * b * length * d, embedded, f"embedding output gradient ({stack})")
     tokens = dp * b * shapes.targets_length
-    rows = -(-config.vocab_size // dp)
+    rows = rows_per_rank(config.vocab_size, dp)
     chunks = -(-tokens // chunk_tokens_for(tokens, rows, torch.device("cpu"), layout.chunk_logits, MIN_CHUNK_TOKENS))
     need("all_gather", M, tokens * d, hidden, "LM head input")
     need("all_gather", M, tokens, int64, "labels")

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from t5forge.collectives import all_gather_single, reduce_scatter_single
+from t5forge.collectives import all_gather_single, all_reduce_together, reduce_scatter_single
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5ForConditionalGeneration
 from t5forge.parallel.timing import SpanTimer
@@ -85,8 +85,9 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     # token embedding and output units. The embedding is gathered for each of its two lookups (encoder and
     # decoder ids) and not at all in the backward pass, which does not read it. The fused loss (a pipeline's
     # last stage) is a call of the head module: gathered for it too.
-    if vocab_sharded:
-        pass  # no full-vocabulary tensor is ever gathered: the tokens travel instead
+    ignored = None  # parameters the root unit leaves alone
+    if vocab_sharded:  # no units: no full-vocabulary tensor is ever gathered, the tokens travel instead
+        ignored = {model.shared.weight, model.lm_head.weight}
     elif model.config.tie_word_embeddings:
         # One parameter, used at both ends of the forward pass and first in the backward pass: freeing it in
         # between would only gather it again, and its gathered copy is there at the start of the backward
@@ -101,7 +102,6 @@ def apply_fsdp(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh, zero_stag
     # The root (the final norms, a few kB) stays gathered from the end of the forward pass into the
     # backward pass, which starts with it (PyTorch's recommendation for roots: it would be all-gathered
     # again at once).
-    ignored = {model.shared.weight, model.lm_head.weight} if vocab_sharded else None
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored)
     if dp_mesh.device_type == "cpu":
         # gloo has no averaging reduce-scatter, and torch 2.8 sums silently when asked for one (gradients
@@ -306,9 +306,7 @@ class GradientBuckets:
         for bucket, layout, (work, reduced) in zip(self.buckets, self.layouts, self.launched):
             work.wait()
             reduced.div_(self.size)
-            if self.shard:
-                for p in bucket:
-                    p.grad = None
+            if self.shard:  # (the parameters' gradients went at the bucket's launch)
                 for view, at in layout["views"]:
                     view.view.grad = reduced[at:at + view.view.numel()]
                 continue
@@ -333,12 +331,8 @@ class GradientBuckets:
         meshes = {id(mesh): mesh for mesh in self.partial.values()}
         if len(meshes) != 1 or (mesh := next(iter(meshes.values()))).ndim != 1:
             raise NotImplementedError("partial gradients on several meshes or on a mesh of more than one dimension")
-        flat = torch.cat([v.grad for v in views])
-        dist.all_reduce(flat, group=mesh.get_group())
-        offset = 0
-        for v in views:
-            v.grad = flat[offset:offset + v.numel()]
-            offset += v.numel()
+        for v, summed in zip(views, all_reduce_together([v.grad for v in views], mesh.get_group())):
+            v.grad = summed
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:

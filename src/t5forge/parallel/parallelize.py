@@ -5,8 +5,8 @@ parallel (ZeRO-3's vocabulary split over dp, then FSDP2 for ZeRO 2/3), all on th
 (`parallelize_t5`); then `materialize` allocates only this rank's shards on the compute device and fills
 them, either with the initialisation a single process would draw (the same numbers, whatever the layout)
 or with the slices of an HF checkpoint that this rank holds (read region by region, never the whole
-file). No rank ever holds the full model; the
-largest transient is one full parameter while it is initialised.
+file). No rank ever holds the full model; the largest transient is one full parameter while it is
+initialised.
 
 ZeRO 0/1 reduce gradients through hooks on the parameters, which must exist first: the trainer attaches
 `GradientBuckets` after `materialize`."""
@@ -138,8 +138,8 @@ def fsdp_gathered(model: T5ForConditionalGeneration, zero_stage: int):
     and given back apply_fsdp's reshard_after_forward, and an embedding and head split over dp gathered too
     (vocab_parallel.vocab_gathered: they take only equal shapes on every rank otherwise): for generation,
     which runs the blocks, the embedding and the head once per token (ZeRO-3 would all-gather them again
-    for each). It holds the full model on
-    every rank meanwhile, as generation under ZeRO-3 does in TorchTitan and HF accelerate. FSDP must have
+    for each). It holds the full model on every rank meanwhile, as generation under ZeRO-3 does in
+    TorchTitan and HF accelerate. FSDP must have
     been set up by one forward pass of the root first. A manually unsharded unit is still resharded after its
     forward pass when reshard_after_forward is set (torch 2.8 to 2.13): hence set_reshard_after_forward."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from t5forge.collectives import all_reduce_together
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.flops import block_forward_flops
@@ -342,12 +343,8 @@ class TiedParameters:
     def sum_gradients(self) -> None:
         for group, params in self.groups:
             grads = [local(p.grad) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for grad, summed in zip(grads, all_reduce_together(grads, group)):
+                grad.copy_(summed)
 
 
 # -- the pipeline of one rank ------------------------------------------------------------------------------

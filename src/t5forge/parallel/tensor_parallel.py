@@ -18,7 +18,6 @@ encoder output is gathered once and used by every decoder layer's cross-attentio
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,8 +32,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from t5forge.collectives import all_reduce_together
 from t5forge.errors import ConfigError
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration, named_blocks, stacks
+
+
+def lookup_own_rows(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """F.embedding of `ids` in the rows start... of a vocabulary that `weight` holds, zeros for ids outside
+    them: a rank's partial lookup in a vocabulary split over ranks (Megatron's VocabParallelEmbedding)."""
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    embedded = F.embedding((ids - start).masked_fill(outside, 0), weight)
+    return embedded.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -68,10 +76,8 @@ class VocabParallelEmbedding(ParallelStyle):
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             # module.weight, not `weight` above: FSDP swaps in its gathered parameter (a DTensor on this mesh).
-            local_weight = module.weight.to_local()  # its gradient comes back as a Shard(0) DTensor of it
-            outside = (ids < start) | (ids >= start + rows)
-            embedded = F.embedding((ids - start).masked_fill(outside, 0), local_weight)
-            embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+            # The local shard: its gradient comes back as a Shard(0) DTensor of it.
+            embedded = lookup_own_rows(ids, module.weight.to_local(), start)
             # Partial -> Replicate / Shard(1) is an all-reduce / reduce-scatter; its backward hands the
             # (replicated, or all-gathered) output gradient to every rank as it is.
             out = DTensor.from_local(embedded, device_mesh, [Partial()], run_check=False)
@@ -196,11 +202,5 @@ def reduce_partial_gradients(params: list[nn.Parameter]) -> None:
         dims = [i for i, pl in enumerate(partial[0].grad.placements) if pl.is_partial()]
         if mesh.ndim != 1 or dims != [0] or any(q.grad.placements != partial[0].grad.placements for q in partial):
             raise NotImplementedError(f"partial gradients on a {mesh.ndim}-D mesh ({partial[0].grad.placements})")
-        flat = torch.cat([q.grad.to_local().reshape(-1) for q in partial])
-        dist.all_reduce(flat, group=mesh.get_group())
-        offset = 0
-        for q in partial:
-            n = q.grad.to_local().numel()
-            q.grad = DTensor.from_local(flat[offset:offset + n].view_as(q.grad.to_local()), mesh, q.placements,
-                                        run_check=False)
-            offset += n
+        for q, summed in zip(partial, all_reduce_together([q.grad.to_local() for q in partial], mesh.get_group())):
+            q.grad = DTensor.from_local(summed, mesh, q.placements, run_check=False)

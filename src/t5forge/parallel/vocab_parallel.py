@@ -35,13 +35,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from t5forge.collectives import reduce_scatter_single
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.loss import gather_rows, linear_cross_entropy_sum
 from t5forge.models.t5 import T5ForConditionalGeneration
+from t5forge.parallel.tensor_parallel import lookup_own_rows
 
 
 def shards_vocabulary_over_dp(parallel: ParallelConfig, fused_head_loss: bool) -> bool:
@@ -69,17 +70,16 @@ class _ReduceScatterTokens(torch.autograd.Function):
         return gather_rows(grad, ctx.group).div_(dist.get_world_size(ctx.group)), None
 
 
-def _rows(weight: DTensor) -> tuple[int, int]:
-    """(first row, number of rows) of the vocabulary that this rank's shard of `weight` holds (Shard(0)
-    splits as torch.chunk: ceil(vocab / ranks) rows each, the last rank the rest)."""
-    mesh = weight.device_mesh
-    per_rank = -(-weight.shape[0] // mesh.size())
-    return mesh.get_local_rank() * per_rank, weight.to_local().shape[0]
+def rows_per_rank(vocab: int, ranks: int) -> int:
+    """Rows of each rank's shard of a [vocab, ...] tensor split on dim 0 over `ranks` (Shard(0) splits as
+    torch.chunk: ceil(vocab / ranks) rows each, the last rank the rest): the largest shard, and the stride
+    between the ranks' first rows."""
+    return -(-vocab // ranks)
 
 
 def _split_rows(module: nn.Module, dp_mesh: DeviceMesh) -> None:
     vocab, ranks = module.weight.shape[0], dp_mesh.size()
-    if -(-vocab // ranks) * (ranks - 1) >= vocab:
+    if rows_per_rank(vocab, ranks) * (ranks - 1) >= vocab:
         raise ConfigError(f"a {vocab}-word vocabulary cannot give each of the {ranks} data-parallel ranks rows of "
                           "its own; use fewer dp ranks, or parallel.zero_stage=2")
     weight = module.weight
@@ -109,15 +109,16 @@ def apply_vocab_parallel(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh,
         head.weight = embedding.weight
     else:
         _split_rows(head, dp_mesh)
+    # Embedding and head have the same rows (the vocabulary), split alike: this rank's start, and the largest
+    # shard, by which every rank sizes the loss's chunks so that all issue the same collectives.
+    shard_rows = rows_per_rank(embedding.weight.shape[0], dp_mesh.size())
+    start = dp_mesh.get_local_rank() * shard_rows
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         if embedding.gathered_weight is not None:
             return F.embedding(ids, embedding.gathered_weight)
-        start, rows = _rows(embedding.weight)
-        every_rank_ids = gather_rows(ids, group)
-        outside = (every_rank_ids < start) | (every_rank_ids >= start + rows)
-        partial = F.embedding((every_rank_ids - start).masked_fill(outside, 0), _compute_weight(embedding, param_dtype))
-        return _ReduceScatterTokens.apply(partial.masked_fill(outside.unsqueeze(-1), 0.0), group)
+        partial = lookup_own_rows(gather_rows(ids, group), _compute_weight(embedding, param_dtype), start)
+        return _ReduceScatterTokens.apply(partial, group)
 
     def project(hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if head.gathered_weight is not None:
@@ -129,9 +130,8 @@ def apply_vocab_parallel(model: T5ForConditionalGeneration, dp_mesh: DeviceMesh,
                 return hidden.new_empty(*hidden.shape[:-1], head.weight.shape[0])
             raise RuntimeError("the LM head's rows are split over the data-parallel ranks (ZeRO-3 with the fused "
                                "loss): it gives logits only inside vocab_gathered(model)")
-        start, _ = _rows(head.weight)
         return linear_cross_entropy_sum(hidden, _compute_weight(head, param_dtype), labels, vocab_start=start,
-                                        group=group, shard_rows=-(-head.weight.shape[0] // dp_mesh.size()))
+                                        group=group, shard_rows=shard_rows)
 
     embedding.forward, head.forward = lookup, project
     embedding.gathered_weight = head.gathered_weight = None

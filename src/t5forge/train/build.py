@@ -155,15 +155,14 @@ def fused_head_loss(train: TrainConfig, parallel: ParallelConfig) -> bool:
 
 def comm_layout(run: RunConfig, pp_layers: list[int] | None, device: torch.device = torch.device("cpu")) -> Layout:
     """The run's layout as the communication model sees it, on `device` (which sizes the fused loss's chunks)."""
-    p = run.parallel
+    p, fused = run.parallel, fused_head_loss(run.train, run.parallel)
     if run.train.compile:
         raise ConfigError("train.comm_audit observes collectives as eager ops, and compiled blocks run theirs "
                           "inside the compiled graph: set train.compile=false for the audit")
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                   backend="nccl" if torch.cuda.is_available() else "gloo", precision=run.precision.dtype,
                   activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
-                  fused_head_loss=fused_head_loss(run.train, run.parallel),
-                  vocab_over_dp=shards_vocabulary_over_dp(run.parallel, fused_head_loss(run.train, run.parallel)),
+                  fused_head_loss=fused, vocab_over_dp=shards_vocabulary_over_dp(p, fused),
                   chunk_logits=chunk_logits_for(device))
 
 

@@ -48,7 +48,7 @@ from t5forge.parallel.mesh import build_mesh, world_size_from_env
 from t5forge.parallel.parallelize import COMPUTE_DTYPES, compile_counters, compile_warning, unwrap_name
 from t5forge.parallel.pipeline import Pipeline, describe_split
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
-from t5forge.parallel.vocab_parallel import shards_vocabulary_over_dp
+from t5forge.parallel.vocab_parallel import rows_per_rank, shards_vocabulary_over_dp
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.build import build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
@@ -198,7 +198,7 @@ class Trainer:
     def describe_vocabulary(self) -> str:
         """Where the embedding's and the head's rows are, and the padding or uneven split of the layout."""
         vocab, p = self.model_config.vocab_size, self.parallel
-        rows = -(-vocab // p.dp)
+        rows = rows_per_rank(vocab, p.dp)
         if shards_vocabulary_over_dp(p, self.fused_head_loss):
             uneven = f", the last rank {vocab - rows * (p.dp - 1)}" if vocab % p.dp else ""
             where = (f"rows split over dp={p.dp}, {rows} per rank{uneven}; the tokens are gathered to them "
@@ -369,7 +369,8 @@ class Trainer:
 
     @property
     def fused_head_loss(self) -> bool:
-        """Whether the LM head is fused with the loss: the rule build_model applied to the head's FSDP unit."""
+        """Whether the LM head is fused with the loss: the rule build_model applied to the head (its FSDP unit,
+        or its rows split over dp)."""
         return fused_head_loss(self.options, self.parallel)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
