@@ -48,15 +48,17 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
                            *specs], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(out), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-5000:]
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in [*CASES, "rows_split_over_ranks"]}
+    split = ["rows_split_over_ranks_301", "rows_split_over_ranks_250112"]
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in [*CASES, *split]}
 
 
-def test_rows_split_over_ranks_compute_what_the_full_weights_do_per_element(results):
+@pytest.mark.parametrize("vocab, rows", [(301, [0, 151]), (250112, [0, 125056])])  # uneven 151 + 150; mT5's
+def test_rows_split_over_ranks_compute_what_the_full_weights_do_per_element(vocab, rows, results):
     """ZeRO-3's embedding and fused head + loss with their rows split over ranks that each have tokens of their
     own (parallel/vocab_parallel.py), against the full weights on every rank's tokens (vocab_sharding_worker.
     check_rows_split_over_ranks): outputs, the rank's loss, and gradients, element by element."""
-    checks = results["rows_split_over_ranks"]
-    assert checks.pop("rows") == [0, 151]  # an uneven split: 151 + 150 rows of 301
+    checks = results[f"rows_split_over_ranks_{vocab}"]
+    assert checks.pop("rows") == rows
     assert checks == {name: "ok" for name in checks}, checks
 
 

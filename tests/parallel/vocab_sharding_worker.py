@@ -126,12 +126,13 @@ def compare(ours: torch.Tensor, expected: torch.Tensor, **tolerance) -> str:
     return "ok"
 
 
-def check_rows_split_over_ranks(out: Path) -> None:
+def check_rows_split_over_ranks(out: Path, vocab: int) -> None:
     """The embedding and the fused head + loss with rows split over the ranks (vocab_parallel.py), each rank
     with tokens of its own, against F.embedding / F.linear + F.cross_entropy of the full weights on every
     rank's tokens, per element: outputs, the loss of the rank's tokens, the gradients of its hidden states and
     of its rows (averaged over the ranks, as data parallelism averages). An odd vocabulary splits unevenly
-    (151 + 150 rows); 7-token chunks cross the ranks' token boundaries."""
+    (151 + 150 rows); 7-token chunks cross the ranks' token boundaries. mT5's 250112 words go through the
+    head module itself (its default chunks). Writes OUT/rows_split_over_ranks_{vocab}.json."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -140,7 +141,7 @@ def check_rows_split_over_ranks(out: Path) -> None:
     from t5forge.parallel.vocab_parallel import apply_vocab_parallel
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    config = T5Config(vocab_size=301, d_model=24, d_kv=6, d_ff=32, num_heads=4, num_layers=1, num_decoder_layers=1,
+    config = T5Config(vocab_size=vocab, d_model=24, d_kv=6, d_ff=32, num_heads=4, num_layers=1, num_decoder_layers=1,
                       tie_word_embeddings=False)
     model = T5ForConditionalGeneration(config)
     model.init_weights(torch.Generator().manual_seed(0))  # the same full weights on every rank
@@ -174,8 +175,12 @@ def check_rows_split_over_ranks(out: Path) -> None:
     mine = hidden[rank].clone().requires_grad_()
     # Chunks sized by the largest shard's 151 rows on both ranks: 6 tokens each (by its own 150 rows rank 1
     # would take 7, and issue fewer collectives than rank 0: the job would hang).
-    loss = linear_cross_entropy_sum(mine, model.lm_head.weight.to_local(), labels[rank], chunk_logits=6 * 151 + 10,
-                                    vocab_start=start, group=dist.group.WORLD, shard_rows=151)
+    if vocab == 301:
+        loss = linear_cross_entropy_sum(mine, model.lm_head.weight.to_local(), labels[rank],
+                                        chunk_logits=6 * 151 + 10, vocab_start=start, group=dist.group.WORLD,
+                                        shard_rows=151)
+    else:
+        loss = model.lm_head(mine, labels=labels[rank])
     (loss * scale).backward()
     checks["loss of the rank's tokens"] = compare(loss, per_token[rank].sum(), rtol=1e-6, atol=1e-5)
     # The reference's hidden gradient of this rank's tokens came through 1/ranks of the loss: scaled back.
@@ -184,7 +189,7 @@ def check_rows_split_over_ranks(out: Path) -> None:
                                             atol=1e-6)
     checks["rows"] = [rows.start, rows.stop]
     if rank == 0:
-        (out / "rows_split_over_ranks.json").write_text(json.dumps(checks))
+        (out / f"rows_split_over_ranks_{vocab}.json").write_text(json.dumps(checks))
 
 
 def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
@@ -214,7 +219,8 @@ def run_case(data: str, tokenizer: str, out: Path, case: str) -> None:
 def main() -> None:
     data, tokenizer, out, *cases = sys.argv[1:]
     dist.init_process_group("gloo")
-    check_rows_split_over_ranks(Path(out))
+    for vocab in (301, 250112):  # uneven; mT5's
+        check_rows_split_over_ranks(Path(out), vocab)
     for case in cases:
         run_case(data, tokenizer, Path(out), case)
     dist.destroy_process_group()
