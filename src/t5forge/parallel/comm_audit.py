@@ -192,8 +192,8 @@ def _handle_key(handle) -> tuple:
     """What identifies the result of a collective at its wait: the Work object, or the storage of the returned
     tensor (as torch's own registry of functional collectives does): what is waited on may be a view of it,
     as AsyncCollectiveTensor wraps view ops' results again before the wait."""
-    if isinstance(handle, torch.Tensor):
-        return "storage", handle.untyped_storage().data_ptr()
+    if isinstance(handle, torch.Tensor):  # the storage's Python object is one per storage (fake ones too)
+        return "storage", id(handle.untyped_storage())
     return "work", id(handle)
 
 

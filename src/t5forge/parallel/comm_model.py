@@ -103,6 +103,8 @@ class Layout:
     fused_head_loss: bool = False  # the LM head fused with the loss: its backward pass does not read the weight
     vocab_over_dp: bool = False  # ZeRO-3: embedding and head split over dp, tokens gathered (vocab_parallel.py)
     chunk_logits: int = CHUNK_LOGITS  # the fused loss's logits per chunk on the device (loss.chunk_logits_for)
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule (memory: micro-batches in flight; time: the bubble)
+    pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved_1f1b: parallel.pp_stages_per_rank)
 
 
 @dataclass(frozen=True)

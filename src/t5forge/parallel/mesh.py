@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from t5forge.config import ParallelConfig
@@ -78,6 +79,7 @@ class Mesh:
         self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
         self.tp_size = self.mesh["tp"].size()
         self.pp_rank, self.pp_size = self.mesh["pp"].get_local_rank(), self.mesh["pp"].size()
+        self.ranks: list[list[list[int]]] = self.mesh.mesh.tolist()  # [pp][dp][tp] -> global rank
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
         self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
@@ -94,7 +96,9 @@ class Mesh:
             elif len(dims) == 1:
                 self._groups[dims] = self.mesh[dims[0]].get_group()
             else:
-                self._groups[dims] = self.mesh[dims]._flatten("_".join(dims)).get_group()
+                # Out of a dry run's fake mode (if any): flattening reads the mesh's rank tensor.
+                with unset_fake_temporarily():
+                    self._groups[dims] = self.mesh[dims]._flatten("_".join(dims)).get_group()
         return self._groups[dims]
 
     def close(self) -> None:

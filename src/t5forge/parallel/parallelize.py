@@ -200,6 +200,13 @@ def materialize(model: T5ForConditionalGeneration, device: torch.device, generat
     return model
 
 
+def materialize_empty(model: T5ForConditionalGeneration, device: torch.device) -> T5ForConditionalGeneration:
+    """Allocate this rank's shards on `device` without values (a dry run's fake tensors)."""
+    model.to_empty(device=device)
+    _retie(model)
+    return model
+
+
 @torch.no_grad()
 def materialize_from_hf(model: T5ForConditionalGeneration, reader: HFTensorReader, device: torch.device,
                         dtype: torch.dtype | None = torch.float32) -> T5ForConditionalGeneration:

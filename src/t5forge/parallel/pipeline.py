@@ -323,13 +323,13 @@ class TiedParameters:
         params = {unwrap_name(n): p for n, p in part.named_parameters()}  # names as HF's, without AC wrappers
         self.groups: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         self.counted_elsewhere: set[int] = set()
-        ranks = mesh.mesh.mesh  # [pp, dp, tp] global ranks
+        ranks = mesh.ranks  # [pp][dp][tp] global ranks
         for rank_set in sorted({h for h in holders.values() if len(h) > 1}):
             names = sorted(n for n, h in holders.items() if h == rank_set)
             group = None
-            for d in range(ranks.shape[1]):  # every rank creates every group, in the same order
-                for t in range(ranks.shape[2]):
-                    members = [int(ranks[p, d, t]) for p in rank_set]
+            for d in range(len(ranks[0])):  # every rank creates every group, in the same order
+                for t in range(len(ranks[0][0])):
+                    members = [ranks[p][d][t] for p in rank_set]
                     created = dist.new_group(members)
                     if dist.get_rank() in members:
                         group = created
@@ -447,15 +447,15 @@ class FullParameters:
         coords = {name: mesh.mesh.get_local_rank(name) for name in ("pp", "dp", "tp")}
         self.pp_rank, self.gathers = coords["pp"], coords["dp"] == 0  # dp rank 0 of each stage gathers over tp
         self.leader = self.gathers and coords["tp"] == 0
-        self.ranks = mesh.mesh.mesh
+        self.ranks = mesh.ranks  # [pp][dp][tp] global ranks
         header = [(unwrap_name(n), tuple(p.shape), p.dtype) for n, p in part.named_parameters()]
         self.headers = [header]
         if self.leader and self.pp_rank > 0:
-            dist.send_object_list([header], dst=int(self.ranks[0, 0, 0]), device=torch.device("cpu"))
+            dist.send_object_list([header], dst=self.ranks[0][0][0], device=torch.device("cpu"))
         elif dist.get_rank() == 0:
-            for p in range(1, self.ranks.shape[0]):
+            for p in range(1, len(self.ranks)):
                 received = [None]
-                dist.recv_object_list(received, src=int(self.ranks[p, 0, 0]), device=torch.device("cpu"))
+                dist.recv_object_list(received, src=self.ranks[p][0][0], device=torch.device("cpu"))
                 self.headers.append(received[0])
         self.sizes: dict[str, int] = {}
         for header in self.headers:
@@ -465,7 +465,7 @@ class FullParameters:
     def tensors(self):
         if not self.gathers:
             return
-        own = full_parameters(self.part, dst=int(self.ranks[self.pp_rank, 0, 0]))  # this stage's leader
+        own = full_parameters(self.part, dst=self.ranks[self.pp_rank][0][0])  # this stage's leader
         if dist.get_rank() == 0:
             seen = set()
             for name, tensor in own:
@@ -474,7 +474,7 @@ class FullParameters:
             for p, header in enumerate(self.headers[1:], start=1):
                 for name, shape, dtype in header:
                     tensor = torch.empty(shape, dtype=dtype)
-                    dist.recv(tensor, src=int(self.ranks[p, 0, 0]))
+                    dist.recv(tensor, src=self.ranks[p][0][0])
                     if name not in seen:
                         seen.add(name)
                         yield name, tensor

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from t5forge.config import ParallelConfig, RunConfig, TrainConfig, batch_arithmetic, load_config
 from t5forge.data.loader import PretrainingData, build_pretraining_data
@@ -29,11 +30,12 @@ from t5forge.parallel.parallelize import (
     check_fits,
     free_device_memory,
     materialize,
+    materialize_empty,
     materialize_from_hf,
     named_init_plan,
     parallelize_t5,
 )
-from t5forge.parallel.pipeline import check_schedule, prune_to_stages, rank_stages, split_blocks, stage_specs
+from t5forge.parallel.pipeline import check_schedule, num_stages, prune_to_stages, rank_stages, split_blocks, stage_specs
 from t5forge.parallel.vocab_parallel import shards_vocabulary_over_dp
 from t5forge.train.checkpoint import latest_checkpoint, load_model_checkpoint
 
@@ -106,15 +108,19 @@ def build_data(run: RunConfig, echo=print) -> PretrainingData | TextToTextData:
                                   split=tuple(d.split), seed=run.train.seed)
 
 
-def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
-                pp_layers: list[int] | None = None) -> T5ForConditionalGeneration:
+def build_model(run: RunConfig, config: T5Config, mesh: Mesh, pp_layers: list[int] | None = None,
+                fake: FakeTensorMode | None = None) -> T5ForConditionalGeneration:
     """This rank's part of the model: built on the meta device, pruned to this rank's pipeline stages
     (blocks per stage `pp_layers`, when pp > 1), parallelised, then its shards allocated on the compute
     device and either loaded from the HF directory `model.path` (only the regions this rank holds, cast
-    to fp32 master weights) or initialised as one process would from `train.seed`."""
+    to fp32 master weights) or initialised as one process would from `train.seed`.
+
+    `fake` (a dry run, train/dry_run.py): the shards are allocated as fake tensors of that mode (no memory,
+    no values: neither read nor initialised), and nothing is checked against the device's free memory (the
+    dry run measures it)."""
     p = run.parallel
     reader = None
-    if run.model.path is not None:
+    if run.model.path is not None and fake is None:
         reader = HFTensorReader(hf_model_dir(run.model.path))
         try:  # the weights decide whether the head is tied
             tied = reader.check_against(config)
@@ -132,7 +138,8 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
     per_rank = sum(v / (p.dp if over_dp.get(k) else 1) for k, v in parts.items() if k != "total") / p.tp / p.pp
     # Every rank's verdict reaches every rank (collective): one rank refusing alone would leave the others
     # waiting in their next collective.
-    check_fits(per_rank * 2**30, free_device_memory(mesh.device), f"model {run.model.preset or run.model.path}")
+    if fake is None:
+        check_fits(per_rank * 2**30, free_device_memory(mesh.device), f"model {run.model.preset or run.model.path}")
     with torch.device("meta"):
         model = T5ForConditionalGeneration(config)
     if run.train.fused_gelu:
@@ -142,6 +149,9 @@ def build_model(run: RunConfig, config: T5Config, mesh: Mesh,
         prune_to_stages(model, rank_stages(stage_specs(pp_layers, config), p.pp, mesh.pp_rank))
     parallelize_t5(model, mesh, p, precision=run.precision.dtype, compile=run.train.compile,
                    fused_head_loss=fused_head_loss(run.train, run.parallel))
+    if fake is not None:
+        with fake:
+            return materialize_empty(model, mesh.device)
     if reader is not None:
         return materialize_from_hf(model, reader, mesh.device)
     return materialize(model, mesh.device, torch.Generator().manual_seed(run.train.seed), plan)
@@ -163,7 +173,8 @@ def comm_layout(run: RunConfig, pp_layers: list[int] | None, device: torch.devic
                   backend="nccl" if torch.cuda.is_available() else "gloo", precision=run.precision.dtype,
                   activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
                   fused_head_loss=fused, vocab_over_dp=shards_vocabulary_over_dp(p, fused),
-                  chunk_logits=chunk_logits_for(device))
+                  chunk_logits=chunk_logits_for(device), pp_schedule=p.pp_schedule,
+                  pp_stages_per_rank=num_stages(p) // p.pp)
 
 
 @dataclass(frozen=True)

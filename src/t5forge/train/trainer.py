@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from t5forge.config import RunConfig, load_config, to_yaml
@@ -41,7 +42,7 @@ from t5forge.models.flops import training_flops_per_sample
 from t5forge.models.loss import token_loss_sum
 from t5forge.models.summary import human_count, summarize
 from t5forge.parallel.comm_audit import audit, format_report
-from t5forge.parallel.comm_model import Shapes, step_requirements
+from t5forge.parallel.comm_model import Layout, Shapes, step_requirements
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
@@ -81,72 +82,38 @@ class Trainer:
     A context manager: leaving it closes the process group the trainer opened (if it opened one). Its state
     (`state_dict` / `load_state_dict`) is what a checkpoint holds beside the model and the optimizer."""
 
-    def __init__(self, run: RunConfig, echo=print):
+    def __init__(self, run: RunConfig, echo=print, dry_run: contextlib.AbstractContextManager | None = None):
+        """`dry_run` (train/dry_run.py): a Trainer for steps on given batches only (no data, no checkpoints),
+        whose model, optimizer and step state are made inside that context: a FakeTensorMode (built, never
+        allocated), or a null context (real tensors, no data)."""
         # Every check that needs no process group first, on every rank: a refused run starts nothing.
         self.plan = plan_run(run, world_size_from_env())
         self.options, self.parallel, self.precision = run.train, run.parallel, run.precision.dtype
         self.run_dir = Path(run.train.output_dir)
-        self.mesh = build_mesh(run.parallel)
+        self.mesh = build_mesh(run.parallel)  # before the fake mode: the mesh reads its ranks from real tensors
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
+        self.dry_run = dry_run
         try:
-            self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
-            resume_from = self.checkpoints.resume_point()
-            self.data = build_data(run, echo=self.echo)
+            resume_from, self.checkpoints, self.data = None, None, None
+            if dry_run is None:  # a real run
+                self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
+                resume_from = self.checkpoints.resume_point()
+                self.data = build_data(run, echo=self.echo)
+                self.data.tokenizer.check_fits(
+                    self.plan.model_config.vocab_size, f"set model.overrides.vocab_size to at least "
+                    f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
             self.tokenizer_dir, self.num_workers = run.data.tokenizer, run.data.num_workers
-            self.data.tokenizer.check_fits(
-                self.plan.model_config.vocab_size, f"set model.overrides.vocab_size to at least "
-                f"{self.data.tokenizer.vocab_size} (a multiple of 128 is fastest) or use the model's tokenizer")
             start = time.perf_counter()
-            self.model = build_model(run, self.plan.model_config, self.mesh, self.plan.pp_layers)
+            self.model = build_model(run, self.plan.model_config, self.mesh, self.plan.pp_layers,
+                                     fake=dry_run if isinstance(dry_run, FakeTensorMode) else None)
             self.description = self.describe(run.model.preset or run.model.path, time.perf_counter() - start)
-            if run.data.packing and self.model_config.decoder_start_token_id != self.data.tokenizer.pad_id:
+            if self.data is not None and run.data.packing and \
+                    self.model_config.decoder_start_token_id != self.data.tokenizer.pad_id:
                 raise ConfigError(f"data.packing starts each packed target with the pad id "
                                   f"({self.data.tokenizer.pad_id}), but this model's decoder_start_token_id is "
                                   f"{self.model_config.decoder_start_token_id}; set data.packing=false")
-            self.model.train()
-            # Same seed within a tensor-parallel group (its replicated activations need the same dropout
-            # masks), a different one per data-parallel rank.
-            torch.manual_seed(run.train.seed + self.mesh.dp_rank)
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed(run.train.seed + self.mesh.dp_rank)
-            self.params = unique_parameters(self.model)
-            self.grad_sync = None
-            if self.parallel.zero_stage < 2:  # ZeRO 0/1: hooks on the materialised parameters (FSDP does 2/3)
-                self.grad_sync = GradientBuckets(self.params, self.mesh.dp_group, shard=self.parallel.zero_stage == 1,
-                                                 overlap=self.parallel.overlap_grad_reduce)
-            self.pipeline = None
-            if self.parallel.pp > 1:
-                self.pipeline = Pipeline(self.model, self.plan.pp_layers, self.parallel, self.mesh, self.accumulation,
-                                         self.plan.micro_batch_size, self.plan.inputs_length, self.plan.targets_length)
-            self.loss_group = self.mesh.group("pp", "dp")  # the loss lives on the last stage of every dp replica
-            self.audit_layout = (comm_layout(run, self.plan.pp_layers, self.device) if run.train.comm_audit
-                                 else None)
-            # What the optimizer updates: the parameters, or (ZeRO-1) views of this rank's flat shards of them.
-            shards = self.grad_sync.shard_views() if self.parallel.zero_stage == 1 else None
-            self.optimizer = build_optimizer(self.model, run.optim, shards=shards)
-            self.trained = self.params if shards is None else [s.view for s in shards]
-            self.parameter_of = {id(s.view): s.param for s in shards or []}
-            # What a checkpoint saves the optimizer through (by parameter name, whatever the layout).
-            self.optimizer_state = self.optimizer if shards is None else ShardedOptimizerState(
-                self.model, self.optimizer, shards,
-                saved_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set())
-            self.clip = self.gradient_clipping(run.optim.clip_grad_norm)
-            self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
-            self.loss_scaler = LossScaler(run.precision, self.device)
-            self.last_grad_norm = torch.full((), math.nan, device=self.device)
-            self.last_parameter_norms = torch.zeros(len(self.params), device=self.device)
-            names = {id(p): unwrap_name(n) for n, p in self.model.named_parameters()}
-            self.divergence = DivergenceGuard(run.train.max_nonfinite_steps, self.device,
-                                              [names.get(id(p), "?") for p in self.params],
-                                              functools.partial(ckpt.saved_checkpoints, self.checkpoints.dir),
-                                              self.loss_scaler.enabled)
-            self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
-            # Told which part of the step runs next (`phase`): a recorder while a step is audited
-            # (parallel/comm_audit.py), profiler ranges while one is profiled (bench/training.py).
-            self.phase_listeners: list = []
-            self.state = TrainState()
-            self.comm_audit: dict | None = None  # the report of the audited step (train.comm_audit)
-            self.rng_to_restore: dict | None = None
+            with self.tensors():
+                self.build_step_state(run)
             if resume_from is not None:
                 self.load_state_dict(ckpt.load_training_checkpoint(resume_from, self.model, self.optimizer_state,
                                                                    self.layout()))
@@ -155,6 +122,58 @@ class Trainer:
         except BaseException:
             self.close()  # a refused run leaves no process group behind
             raise
+
+    def tensors(self) -> contextlib.AbstractContextManager:
+        """Where the trainer's tensors are made: the dry run's fake mode, or real tensors."""
+        return self.dry_run if self.dry_run is not None else contextlib.nullcontext()
+
+    def build_step_state(self, run: RunConfig) -> None:
+        """Seeds, gradient synchronisation, the pipeline, the optimizer and what the step keeps between steps."""
+        self.model.train()
+        # Same seed within a tensor-parallel group (its replicated activations need the same dropout
+        # masks), a different one per data-parallel rank.
+        torch.manual_seed(run.train.seed + self.mesh.dp_rank)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(run.train.seed + self.mesh.dp_rank)
+        self.params = unique_parameters(self.model)
+        self.grad_sync = None
+        if self.parallel.zero_stage < 2:  # ZeRO 0/1: hooks on the materialised parameters (FSDP does 2/3)
+            self.grad_sync = GradientBuckets(self.params, self.mesh.dp_group, shard=self.parallel.zero_stage == 1,
+                                             overlap=self.parallel.overlap_grad_reduce)
+        self.pipeline = None
+        if self.parallel.pp > 1:
+            self.pipeline = Pipeline(self.model, self.plan.pp_layers, self.parallel, self.mesh, self.accumulation,
+                                     self.plan.micro_batch_size, self.plan.inputs_length, self.plan.targets_length)
+        self.loss_group = self.mesh.group("pp", "dp")  # the loss lives on the last stage of every dp replica
+        self.audit_layout = (comm_layout(run, self.plan.pp_layers, self.device) if run.train.comm_audit
+                             else None)
+        # What the optimizer updates: the parameters, or (ZeRO-1) views of this rank's flat shards of them.
+        shards = self.grad_sync.shard_views() if self.parallel.zero_stage == 1 else None
+        self.optimizer = build_optimizer(self.model, run.optim, shards=shards)
+        self.trained = self.params if shards is None else [s.view for s in shards]
+        self.parameter_of = {id(s.view): s.param for s in shards or []}
+        # What a checkpoint saves the optimizer through (by parameter name, whatever the layout).
+        self.optimizer_state = self.optimizer if shards is None else ShardedOptimizerState(
+            self.model, self.optimizer, shards,
+            saved_elsewhere=self.pipeline.tied.counted_elsewhere if self.pipeline is not None else set())
+        self.clip = self.gradient_clipping(run.optim.clip_grad_norm)
+        self.scheduler = build_scheduler(self.optimizer, run.optim, self.max_steps)
+        self.loss_scaler = LossScaler(run.precision, self.device)
+        self.last_grad_norm = torch.full((), math.nan, device=self.device)
+        self.last_parameter_norms = torch.zeros(len(self.params), device=self.device)
+        names = {id(p): unwrap_name(n) for n, p in self.model.named_parameters()}
+        self.divergence = DivergenceGuard(run.train.max_nonfinite_steps, self.device,
+                                          [names.get(id(p), "?") for p in self.params],
+                                          functools.partial(ckpt.saved_checkpoints, self.checkpoints.dir)
+                                          if self.checkpoints is not None else list,
+                                          self.loss_scaler.enabled)
+        self.pending_losses: list[torch.Tensor] = []  # device losses of the steps not read yet
+        # Told which part of the step runs next (`phase`): a recorder while a step is audited
+        # (parallel/comm_audit.py), profiler ranges while one is profiled (bench/training.py).
+        self.phase_listeners: list = []
+        self.state = TrainState()
+        self.comm_audit: dict | None = None  # the report of the audited step (train.comm_audit)
+        self.rng_to_restore: dict | None = None
 
     def __enter__(self) -> Trainer:
         return self
@@ -224,8 +243,9 @@ class Trainer:
                  + " (activations not included)",
                  f"batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x dp {self.mesh.dp_size} x "
                  f"accumulation {plan.accumulation}; {plan.inputs_length} -> {plan.targets_length} tokens; "
-                 f"{plan.max_steps} steps; {len(self.data.train)} training samples per epoch; device {self.device}, "
-                 f"{self.precision}"]
+                 + (f"{plan.max_steps} steps; {len(self.data.train)} training samples per epoch; "
+                    if self.data is not None else "a dry run (no data); ")
+                 + f"device {self.device}, {self.precision}"]
         lines.append(self.describe_vocabulary())
         if plan.pp_layers is not None:
             lines.append(f"pipeline: pp={self.parallel.pp}, {self.parallel.pp_schedule}, {len(plan.pp_layers)} "
@@ -408,14 +428,18 @@ class Trainer:
         for listener in self.phase_listeners:
             listener.phase = name
 
+    def required_communication(self, layout: Layout) -> dict[tuple[str, str], dict]:
+        """What a step of `layout` requires of this rank: {(collective, mesh dim): {count, bytes}} (comm_model)."""
+        plan = self.plan
+        shapes = Shapes(micro_batch_size=plan.micro_batch_size, accumulation=plan.accumulation,
+                        inputs_length=plan.inputs_length, targets_length=plan.targets_length)
+        return comm_totals(step_requirements(self.model_config, shapes, layout, self.mesh.dp_rank, self.mesh.pp_rank))
+
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded and compared with what this layout requires of each rank
         (comm_model); returns its loss and the audit report, printed and written to RUN_DIR/comm_audit.json."""
         plan = self.plan
-        shapes = Shapes(micro_batch_size=plan.micro_batch_size, accumulation=plan.accumulation,
-                        inputs_length=plan.inputs_length, targets_length=plan.targets_length)
-        required = comm_totals(step_requirements(self.model_config, shapes, self.audit_layout, self.mesh.dp_rank,
-                                                 self.mesh.pp_rank))
+        required = self.required_communication(self.audit_layout)
         context = {**self.layout(), "micro_batch_size": plan.micro_batch_size, "accumulation": plan.accumulation,
                    "precision": self.precision, "step": self.state.step + 1}
         # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
