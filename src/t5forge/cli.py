@@ -207,6 +207,13 @@ def _under_launcher() -> bool:
 def cmd_train(args: argparse.Namespace) -> int:
     """`train` and `finetune` (the same loop; finetune sets data.task=text_to_text)."""
     command = args.command
+    if getattr(args, "dry_run", False):
+        return cmd_dry_run(args)
+    if getattr(args, "world_size", None) is not None or getattr(args, "rank", None) is not None:
+        from t5forge.errors import ConfigError
+
+        raise ConfigError("--world-size and --rank describe a dry run: add --dry-run (or use `t5forge dry-run`); "
+                          "a real run takes its ranks from torchrun (--nproc-per-node)")
     if args.nproc_per_node and not _under_launcher():
         task = ["data.task=text_to_text"] if command == "finetune" else []
         _check_process_count(args.config, [*task, *args.overrides], args.nproc_per_node)
@@ -228,6 +235,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     gc.collect()
     if is_main_process():
         print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_dry_run(args: argparse.Namespace) -> int:
+    """`dry-run` and `train --dry-run`: one rank's training step at any world size, in this process."""
+    from t5forge.config import load_config
+    from t5forge.errors import ConfigError
+    from t5forge.train.dry_run import dry_run, format_dry_run
+
+    if args.world_size is None:
+        raise ConfigError("a dry run needs --world-size N (the number of ranks of the layout, dp x tp x pp)")
+    if args.nproc_per_node:
+        raise ConfigError("a dry run is one process standing for --world-size ranks: remove --nproc-per-node")
+    run = load_config(args.config, args.overrides)
+    result = dry_run(run, args.world_size, rank=args.rank or 0, device=args.device)
+    print(json.dumps(result, indent=1) if args.json else format_dry_run(result))
     return 0
 
 
@@ -388,6 +411,27 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--max-restarts", type=int, default=0, metavar="N",
                              help="with --nproc-per-node: restart the processes up to N times when one dies; "
                                   "they resume from the newest complete checkpoint (train.resume=auto)")
+    dry = run_command(
+        "dry-run", cmd_dry_run,
+        "one rank's training step of a layout at any world size, in this process: peak memory by category "
+        "and every collective against the analytic minimum (nothing allocated on the CPU: fake tensors)",
+        "CONFIG and key=value overrides as for `train` (the data is not read: batches of the run's shapes are "
+        "made up). The same as `t5forge train CONFIG --dry-run`.", "not for dry runs")
+
+    def dry_run_options(command: argparse.ArgumentParser, flag: bool) -> None:
+        if flag:
+            command.add_argument("--dry-run", action="store_true",
+                                 help="do not train: one rank's step at --world-size ranks, in this process "
+                                      "(see `t5forge dry-run`)")
+        command.add_argument("--world-size", type=int, metavar="N", help="dry run: ranks of the layout (dp x tp x pp)")
+        command.add_argument("--rank", type=int, metavar="R", help="dry run: the rank examined (default 0)")
+        command.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                             help="dry run: cpu = fake tensors (nothing allocated); cuda = the rank's real kernels "
+                                  "on the one GPU (real peak memory and step time), collectives fake")
+        command.add_argument("--json", action="store_true", help="dry run: print the result as JSON")
+
+    dry_run_options(train_command, flag=True)
+    dry_run_options(dry, flag=False)
     audit = run_command(
         "comm-audit", cmd_comm_audit,
         "run two training steps of a layout and compare every collective of the second with the layout's "
@@ -457,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,
 # `bench NAME --baseline hf train.compile=true`): argparse stops a positional list at the first option.
 _TRAILING_POSITIONALS = {"generate": "texts", "bench": "names", "train": "overrides", "finetune": "overrides",
-                         "comm-audit": "overrides"}
+                         "comm-audit": "overrides", "dry-run": "overrides"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

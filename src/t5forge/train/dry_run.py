@@ -70,11 +70,32 @@ def fake_world(world_size: int, rank: int):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_sharding_decisions()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _forget_sharding_decisions() -> None:
+    """DTensor caches its sharding and redistribution decisions by mesh, and a mesh of the next dry run in this
+    process equals one of this run (same ranks and names) while its process groups are new: the cached
+    decisions would carry the destroyed groups. Emptied when a fake world ends, through torch's debug helper
+    (and the redistribution plans' caches: no public API empties them)."""
+    from torch.distributed.tensor import DTensor, _redistribute, debug
+
+    clear_all = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_all is not None:
+        clear_all()
+    else:  # older torch: the Python cache only
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name in ("_gen_transform_infos", "clear_redistribute_planner_cache"):
+        function = getattr(_redistribute, name, None)
+        if hasattr(function, "cache_clear"):
+            function.cache_clear()
+        elif name.startswith("clear") and function is not None:
+            function()
 
 
 def _vote_alone(schedule) -> None:
