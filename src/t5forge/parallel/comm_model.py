@@ -5,7 +5,8 @@ was issued with this; the planner reuses it).
 Bytes are the logical payload per rank (see comm_audit.py): the buffer of an all-reduce, the gathered
 output of an all-gather, the full input of a reduce-scatter, the tensor of a broadcast; fp32 unless said
 otherwise (mixed precision changes the dtype of the attention/FFN output projections' collectives, of
-FSDP's bf16 parameter gathers and of the token collectives of ZeRO-3's vocabulary split, nothing else).
+FSDP's bf16 parameter gathers and of the token collectives of ZeRO-3's vocabulary split; with FSDP's
+parameters in the compute dtype, every tensor-parallel collective of the residual stream is in it too).
 Per step, with M
 micro-batches of b samples, S input and T target tokens, hidden size d, L_e encoder and L_d decoder layers:
 
@@ -23,7 +24,8 @@ Tensor parallel (Megatron's split), per micro-batch, over tp:
   exponentials, target logit), as in Megatron;
 - full activation checkpointing recomputes every block's forward pass in the backward pass, its
   collectives included (as Megatron's full recompute) up to the last one, whose output the backward pass
-  does not need; selective checkpointing keeps their outputs.
+  does not need (with dropout it does: the last one is recomputed too); selective checkpointing keeps
+  their outputs.
 
 Data parallel, over dp, once per step (gradient accumulation communicates only on the last micro-batch):
 - ZeRO-0: one all-reduce per gradient bucket (data_parallel.GradientBuckets), every gradient element once;
@@ -249,17 +251,19 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
     if tp > 1:
         enc, dec = b * S * d, b * T * d
         # Under autocast the o and wo projections output the compute dtype, and so do the gradients of those
-        # outputs; embeddings, norms and every input gradient stay fp32.
+        # outputs; embeddings, norms and every input gradient stay fp32, unless FSDP (ZeRO-2/3) gathers the
+        # parameters in the compute dtype: then the embeddings and the whole residual stream are in it too.
         half = 2 if layout.precision in ("bf16", "fp16") else FP32
+        stream = half if layout.zero_stage >= 2 else FP32
         if not layout.sequence_parallel:
-            need("all_reduce", "tp", M * embeds_encoder, enc, FP32, "embedding output (encoder)")
-            need("all_reduce", "tp", M * embeds_decoder, dec, FP32, "embedding output (decoder)")
+            need("all_reduce", "tp", M * embeds_encoder, enc, stream, "embedding output (encoder)")
+            need("all_reduce", "tp", M * embeds_decoder, dec, stream, "embedding output (decoder)")
             need("all_reduce", "tp", M * 2 * L_e, enc, half, "encoder sub-layer outputs")
             need("all_reduce", "tp", M * 3 * L_d, dec, half, "decoder sub-layer outputs")
-            need("all_reduce", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer input gradients")
-            need("all_reduce", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer input gradients")
-            need("all_reduce", "tp", M * decoder_stages, enc, FP32, "encoder output gradient (all cross-attentions)")
-            need("all_reduce", "tp", M * head, dec, FP32, "LM head input gradient")
+            need("all_reduce", "tp", M * 2 * L_e, enc, stream, "encoder sub-layer input gradients")
+            need("all_reduce", "tp", M * 3 * L_d, dec, stream, "decoder sub-layer input gradients")
+            need("all_reduce", "tp", M * decoder_stages, enc, stream, "encoder output gradient (all cross-attentions)")
+            need("all_reduce", "tp", M * head, dec, stream, "LM head input gradient")
         else:
             for kind, mirror, phase in (("reduce_scatter", "all_gather", "forward"),
                                         ("all_gather", "reduce_scatter", "backward")):
@@ -276,10 +280,12 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
         need("all_reduce", "tp", M * 3 * head, b * T, FP32, "vocabulary-parallel cross-entropy")
         if layout.activation_checkpointing == "full":  # each block's forward again, in the backward pass
             # Recomputation stops after the last tensor the backward pass needs (torch.utils.checkpoint's
-            # early stop), so the output collective of a block's last sub-layer is not issued again.
+            # early stop), so the output collective of a block's last sub-layer is not issued again, unless
+            # dropout follows it (its mask is drawn again after it, and the backward pass needs the mask).
             outputs = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
-            need(outputs, "tp", M * (2 - 1) * L_e, enc, half, "encoder sub-layer outputs, recomputed")
-            need(outputs, "tp", M * (3 - 1) * L_d, dec, half, "decoder sub-layer outputs, recomputed")
+            last = 1 if config.dropout_rate > 0 else 0
+            need(outputs, "tp", M * (2 - 1 + last) * L_e, enc, half, "encoder sub-layer outputs, recomputed")
+            need(outputs, "tp", M * (3 - 1 + last) * L_d, dec, half, "decoder sub-layer outputs, recomputed")
             if layout.sequence_parallel:
                 need("all_gather", "tp", M * 2 * L_e, enc, FP32, "encoder sub-layer inputs, recomputed")
                 need("all_gather", "tp", M * 3 * L_d, dec, FP32, "decoder sub-layer inputs, recomputed")

@@ -123,13 +123,17 @@ def synthetic_batches(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
              "labels": torch.randint(0, vocab, (b, t), generator=generator)} for _ in range(plan.accumulation)]
 
 
-def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu", echo=print) -> dict:
+def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu", fake_tensors: bool | None = None
+            ) -> dict:
     """Two training steps of rank `rank` of `run` at `world_size` ranks (see the module docstring); returns
-    the layout, the peak memory of the second step by category and its communication audit."""
+    the layout, the peak memory of the second step by category and its communication audit. `fake_tensors`:
+    whether tensors are fake (default: on the CPU only); real ones on the CPU compute the rank's shard (the
+    tests compare both)."""
     check_request(world_size, rank, device)
     started = time.perf_counter()
+    fake_tensors = device == "cpu" if fake_tensors is None else fake_tensors
     with fake_world(world_size, rank):
-        fake = FakeTensorMode(allow_non_fake_inputs=True) if device == "cpu" else None
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else None
         trainer = Trainer(run, echo=lambda *_: None, dry_run=fake if fake is not None else contextlib.nullcontext())
         with trainer:
             built_s = time.perf_counter() - started
