@@ -155,6 +155,8 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
                 torch.cuda.reset_peak_memory_stats()
             with trainer.tensors(), tracker:
                 tracker.watch([*trainer.params, *trainer.trained], trainer.optimizer)
+                tracker.watch_forward([trainer.model] if trainer.pipeline is None
+                                      else [stage.submod for stage in trainer.pipeline.stages])
                 trainer.phase_listeners.append(tracker)
                 trainer.train_step(batches)  # builds the optimizer state and FSDP's lazy buffers
                 tracker.reset_peak()

@@ -8,8 +8,10 @@ Written by hand rather than with torch's MemTracker, which refuses a module call
 micro-batch of gradient accumulation, every micro-batch of a pipeline schedule, the shared embedding of the
 encoder and the decoder). The idea is the same: a TorchDispatchMode sees every op's outputs; each new
 storage counts its bytes until it is freed (a weak reference's callback), in the category it has then.
-A storage is born temporary and moves when its role is known: saved for backward (a saved-tensors hook)
--> activations; a parameter's gradient (a post-accumulate-grad hook, and a look at every gradient when the
+A storage is born temporary and moves when its role is known: saved for backward (a saved-tensors hook),
+or made by a forward pass and still alive when that forward pass returns (what activation checkpointing
+keeps is hidden from saved-tensors hooks; a forward hook on the model or on each pipeline stage sees it)
+-> activations, except the buffers of collectives (FSDP's gathered parameters that ZeRO-2 keeps); a parameter's gradient (a post-accumulate-grad hook, and a look at every gradient when the
 optimizer phase begins, for FSDP's and ZeRO-1's, which are assigned rather than accumulated) -> gradients;
 the optimizer's state after its step -> optimizer. Only tensor storages are counted: the allocator's
 rounding and fragmentation, the CUDA context and communication libraries' own buffers are not (the memory
@@ -45,7 +47,10 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_phase = self._phase
         self.watched: list[torch.Tensor] = []
         self.optimizer: torch.optim.Optimizer | None = None
-        self._live: dict[int, list] = {}  # id(storage) -> [bytes, category, weak reference]
+        self._live: dict[int, list] = {}  # id(storage) -> [bytes, category, weak reference, birth number]
+        self._born = 0  # storages counted so far
+        self._buffers: set[int] = set()  # ids of storages that collectives wrote (never activations)
+        self._forward_starts: list[int] = []  # birth numbers at the starts of the running forward passes
         self._hooks: list = []
         self._saved = None
 
@@ -57,6 +62,7 @@ class MemoryTracker(TorchDispatchMode):
         return tensor.untyped_storage()
 
     def _freed(self, key: int) -> None:
+        self._buffers.discard(key)
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current[entry[1]] -= entry[0]
@@ -71,7 +77,8 @@ class MemoryTracker(TorchDispatchMode):
         if entry is None:
             nbytes = storage.nbytes()
             ref = weakref.ref(storage, lambda _, key=key, self=weakref.ref(self): self() and self()._freed(key))
-            self._live[key] = [nbytes, category, ref]
+            self._live[key] = [nbytes, category, ref, self._born]
+            self._born += 1
             self.current[category] += nbytes
             self._update_peak()
         elif entry[1] != category:
@@ -129,6 +136,21 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(value, torch.Tensor):
                     self.track(value, "optimizer")
 
+    def watch_forward(self, modules: list[torch.nn.Module]) -> None:
+        """What each forward pass of these modules (the model, or each pipeline stage's part) leaves alive
+        is activations."""
+        for module in modules:
+            self._hooks.append(module.register_forward_pre_hook(lambda *_: self._forward_starts.append(self._born)))
+            self._hooks.append(module.register_forward_hook(lambda *_: self._forward_ended()))
+
+    def _forward_ended(self) -> None:
+        start = self._forward_starts.pop()
+        for key, entry in list(self._live.items()):
+            if entry[3] >= start and entry[1] == "temporary" and key not in self._buffers:
+                self.current["temporary"] -= entry[0]
+                self.current["activations"] += entry[0]
+                entry[1] = "activations"
+
     def gradients(self, tensors: list[torch.Tensor]) -> None:
         """The gradients of `tensors` (what the optimizer updates) are gradients, however they were assigned."""
         for t in tensors:
@@ -141,8 +163,12 @@ class MemoryTracker(TorchDispatchMode):
             return NotImplemented  # see DTensor's local ops and collectives instead (as comm_audit does)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t, "temporary") if id(self._storage(t)) not in self._live else None
+            if isinstance(t, torch.Tensor) and id(self._storage(t)) not in self._live:
+                self.track(t, "temporary")
+        if func.namespace in ("c10d", "_c10d_functional"):  # what a collective wrote: communication buffers
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor) and (storage := self._storage(t)) is not None:
+                    self._buffers.add(id(storage))
         return out
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
