@@ -23,6 +23,7 @@ code builds every stage: every rank votes alike) is taken (`_vote_alone`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -33,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from t5forge.config import RunConfig
 from t5forge.errors import ConfigError
 from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, mesh_dims, record_to_dict
-from t5forge.parallel.comm_model import check_covered
+from t5forge.parallel.comm_model import Shapes, check_covered
 from t5forge.train.build import comm_layout
 from t5forge.train.memory_tracker import CATEGORIES, MemoryTracker
 from t5forge.train.trainer import Trainer
@@ -123,6 +124,37 @@ def synthetic_batches(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
              "labels": torch.randint(0, vocab, (b, t), generator=generator)} for _ in range(plan.accumulation)]
 
 
+def measure_step(trainer: Trainer) -> dict:
+    """Two steps of `trainer` on made-up batches of its shapes, the second measured: its peak tensor memory
+    by category (MemoryTracker), its collectives (CollectiveRecorder, in plain types) and its time. The same
+    on a fake group (a dry run) as in a real job (the planner's checks against real runs)."""
+    if trainer.pipeline is not None and dist.get_backend() == "fake":
+        _vote_alone(trainer.pipeline.schedule)
+    batches = synthetic_batches(trainer)
+    tracker = MemoryTracker(trainer.dry_run if isinstance(trainer.dry_run, FakeTensorMode) else None)
+    recorder = CollectiveRecorder(mesh_dims(trainer.mesh), trainer.device,
+                                  trainer.model if trainer.pipeline is None else None)
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with trainer.tensors(), tracker:
+        tracker.watch([*trainer.params, *trainer.trained], trainer.optimizer)
+        tracker.watch_forward([trainer.model] if trainer.pipeline is None
+                              else [stage.submod for stage in trainer.pipeline.stages])
+        trainer.phase_listeners.append(tracker)
+        trainer.train_step(batches)  # builds the optimizer state and FSDP's lazy buffers
+        tracker.reset_peak()
+        started = time.perf_counter()
+        trainer.phase_listeners.append(recorder)
+        with recorder:
+            trainer.train_step(batches)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - started
+    trainer.phase_listeners.remove(tracker)
+    trainer.phase_listeners.remove(recorder)
+    return {"memory": tracker.report(), "collectives": record_to_dict(recorder.record), "step_s": step_s}
+
+
 def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu", fake_tensors: bool | None = None
             ) -> dict:
     """Two training steps of rank `rank` of `run` at `world_size` ranks (see the module docstring); returns
@@ -134,59 +166,46 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
     fake_tensors = device == "cpu" if fake_tensors is None else fake_tensors
     with fake_world(world_size, rank):
         fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else None
-        trainer = Trainer(run, echo=lambda *_: None, dry_run=fake if fake is not None else contextlib.nullcontext())
-        with trainer:
+        with Trainer(run, echo=lambda *_: None, dry_run=fake or contextlib.nullcontext()) as trainer:
             built_s = time.perf_counter() - started
-            if trainer.pipeline is not None:
-                _vote_alone(trainer.pipeline.schedule)
-            mesh = trainer.mesh
-            coordinates = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.mesh["tp"].get_local_rank()}
+            result = {**describe_rank(trainer, run), "device": device}
             layout = comm_layout(run, trainer.plan.pp_layers, trainer.device)
+            measured = measure_step(trainer)
+            result.update(memory=measured["memory"], build_s=built_s, seconds=time.perf_counter() - started)
+            if device == "cuda":
+                result["cuda"] = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
+                                  "step_s": measured["step_s"],
+                                  "note": "real kernels of this rank's shard; collectives fake"}
             try:
                 check_covered(layout)
                 required = trainer.required_communication(layout)
             except ConfigError as e:
-                required, uncovered = None, str(e)
-            batches = synthetic_batches(trainer)
-            tracker = MemoryTracker()
-            recorder = CollectiveRecorder(mesh_dims(mesh), trainer.device,
-                                          trainer.model if trainer.pipeline is None else None)
-            if trainer.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            with trainer.tensors(), tracker:
-                tracker.watch([*trainer.params, *trainer.trained], trainer.optimizer)
-                tracker.watch_forward([trainer.model] if trainer.pipeline is None
-                                      else [stage.submod for stage in trainer.pipeline.stages])
-                trainer.phase_listeners.append(tracker)
-                trainer.train_step(batches)  # builds the optimizer state and FSDP's lazy buffers
-                tracker.reset_peak()
-                step_started = time.perf_counter()
-                trainer.phase_listeners.append(recorder)
-                with recorder:
-                    trainer.train_step(batches)
-                if trainer.device.type == "cuda":
-                    torch.cuda.synchronize()
-                step_s = time.perf_counter() - step_started
-            result = {
-                "world_size": world_size, "rank": rank, "coordinates": coordinates, "device": device,
-                "layout": trainer.layout(), "model": run.model.preset or str(run.model.path),
-                "micro_batch_size": trainer.plan.micro_batch_size, "accumulation": trainer.accumulation,
-                "inputs_length": trainer.plan.inputs_length, "targets_length": trainer.plan.targets_length,
-                "precision": trainer.precision, "activation_checkpointing": run.parallel.activation_checkpointing,
-                "pp_layers": trainer.plan.pp_layers, "memory": tracker.report(),
-                "build_s": built_s, "seconds": time.perf_counter() - started,
-            }
-            if device == "cuda":
-                result["cuda"] = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
-                                  "step_s": step_s, "note": "real kernels of this rank's shard; collectives fake"}
-            context = {**trainer.layout(), "rank": rank, "micro_batch_size": trainer.plan.micro_batch_size,
-                       "accumulation": trainer.accumulation, "precision": trainer.precision}
-            measured = record_to_dict(recorder.record)
-            if required is not None:
-                result["communication"] = build_report([measured], [required], trainer.global_batch_size, context)
+                result["communication"] = {"ok": None, "not_covered": str(e),
+                                           "measured": measured["collectives"]["totals"]}
             else:
-                result["communication"] = {"ok": None, "not_covered": uncovered, "measured": measured["totals"]}
+                context = {**trainer.layout(), "rank": rank, "micro_batch_size": trainer.plan.micro_batch_size,
+                           "accumulation": trainer.accumulation, "precision": trainer.precision}
+                result["communication"] = build_report([measured["collectives"]], [required],
+                                                       trainer.global_batch_size, context)
     return result
+
+
+def describe_rank(trainer: Trainer, run: RunConfig) -> dict:
+    """Where this rank is and what it runs, in plain types (`comm_layout` and `shapes`: what the memory and
+    communication models take)."""
+    mesh, plan = trainer.mesh, trainer.plan
+    layout = comm_layout(run, plan.pp_layers, trainer.device)
+    return {
+        "world_size": dist.get_world_size(), "rank": dist.get_rank(),
+        "coordinates": {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.mesh["tp"].get_local_rank()},
+        "layout": trainer.layout(), "model": run.model.preset or str(run.model.path),
+        "micro_batch_size": plan.micro_batch_size, "accumulation": trainer.accumulation,
+        "inputs_length": plan.inputs_length, "targets_length": plan.targets_length, "precision": trainer.precision,
+        "activation_checkpointing": run.parallel.activation_checkpointing, "pp_layers": plan.pp_layers,
+        "comm_layout": dataclasses.asdict(layout),
+        "shapes": dataclasses.asdict(Shapes(micro_batch_size=plan.micro_batch_size, accumulation=plan.accumulation,
+                                            inputs_length=plan.inputs_length, targets_length=plan.targets_length)),
+    }
 
 
 def _gib(nbytes: float) -> str:

@@ -19,9 +19,11 @@ model states the margin to add for them)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -38,8 +40,11 @@ class MemoryTracker(TorchDispatchMode):
     total (`peak_bytes`) with its breakdown (`peak`) and the step phase it happened in (`peak_phase`). A
     trainer phase listener: `phase` is set by Trainer.phase."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode: FakeTensorMode | None = None) -> None:
+        """`fake_mode`: the dry run's mode, whose fake tensors stand for real ones; any other fake tensor
+        (DTensor's sharding propagation works out output shapes on its own) is not memory."""
         super().__init__()
+        self.fake_mode = fake_mode
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict(self.current)
         self.peak_bytes = 0
@@ -51,6 +56,7 @@ class MemoryTracker(TorchDispatchMode):
         self._born = 0  # storages counted so far
         self._buffers: set[int] = set()  # ids of storages that collectives wrote (never activations)
         self._forward_starts: list[int] = []  # birth numbers at the starts of the running forward passes
+        self._propagating = 0  # inside DTensor's sharding propagation (see _outside_propagation)
         self._hooks: list = []
         self._saved = None
 
@@ -58,6 +64,8 @@ class MemoryTracker(TorchDispatchMode):
     def _storage(self, tensor: torch.Tensor):
         tensor = _local(tensor)
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse:
+            return None
+        if isinstance(tensor, FakeTensor) and tensor.fake_mode is not self.fake_mode:
             return None
         return tensor.untyped_storage()
 
@@ -162,6 +170,8 @@ class MemoryTracker(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # see DTensor's local ops and collectives instead (as comm_audit does)
         out = func(*args, **(kwargs or {}))
+        if self._propagating:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(self._storage(t)) not in self._live:
                 self.track(t, "temporary")
@@ -175,7 +185,32 @@ class MemoryTracker(TorchDispatchMode):
         self._reclassify(tensor, "activations")
         return tensor
 
+    def _outside_propagation(self) -> contextlib.ExitStack:
+        """While active, DTensor's sharding propagation does not count: it works output shapes out by running
+        each new op on fake tensors (of the dry run's own fake mode, when there is one), which are no memory.
+        Torch offers no hook there: its method is wrapped, if this torch has it."""
+        stack = contextlib.ExitStack()
+        try:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        except ImportError:
+            return stack
+        original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+        if original is None:
+            return stack
+
+        def propagate(propagator, *args, **kwargs):
+            self._propagating += 1
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        stack.callback(setattr, ShardingPropagator, "_propagate_tensor_meta_non_cached", original)
+        return stack
+
     def __enter__(self):
+        self._propagation = self._outside_propagation()
         super().__enter__()
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved.__enter__()
@@ -186,6 +221,7 @@ class MemoryTracker(TorchDispatchMode):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._propagation.close()
         return super().__exit__(*exc)
 
     def report(self) -> dict:

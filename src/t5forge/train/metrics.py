@@ -16,13 +16,7 @@ from pathlib import Path
 
 import torch
 
-# Dense peak FLOP/s without sparsity, from the vendors' data sheets.
-_GPU_PEAKS = {  # name fragment (first match wins): (bf16/fp16 tensor cores, fp32, tf32)
-    "H200": (989e12, 67e12, 494e12), "H100 PCIe": (756e12, 51e12, 378e12), "H100": (989e12, 67e12, 494e12),
-    "A100": (312e12, 19.5e12, 156e12), "A10G": (125e12, 31.2e12, 62.5e12), "L40S": (362e12, 91.6e12, 183e12),
-    "L4": (121e12, 30.3e12, 60e12), "V100": (125e12, 15.7e12, 15.7e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
-    "RTX 3090": (71e12, 35.6e12, 35.6e12), "T4": (65e12, 8.1e12, 8.1e12),
-}
+from t5forge.models.flops import GPU_PEAKS
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5) -> float:
@@ -43,7 +37,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s, where the number comes from) for the compute dtype on this device."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for fragment, (half, fp32, tf32) in _GPU_PEAKS.items():
+        for fragment, (half, fp32, tf32) in GPU_PEAKS.items():
             if fragment in name:
                 if dtype != torch.float32:
                     return half, f"data sheet ({name})"
