@@ -19,6 +19,8 @@ activation_checkpointing  full and selective recomputation give the losses of th
 fake_pg_world8     one rank's shard of dp=2 x tp=4 with ZeRO-3, and of dp=8 ZeRO-3 with the vocabulary's rows
                    split over dp, on real kernels, over the fake process group of 8 ranks (its collectives do
                    nothing: the step runs, its numbers are not a real run's);
+dry_run_cuda       `t5forge dry-run --device cuda`: rank 0's shard of mT5-xl as dp8 x tp8 on real kernels over the
+                   fake group of 64 ranks: real peak memory and step time beside the memory model's estimate;
 dp2_gloo           two ranks sharing the GPU over gloo (CUDA tensors through gloo) against the one-rank run;
 compile            train.compile=true: losses against eager, torch.compile's counters;
 bench_vs_transformers  the named benchmark of t5-v1.1-base, 512 -> 114, bf16, against transformers
@@ -506,6 +508,38 @@ def check_fake_pg_world8(ctx: Context) -> dict:
             dist.destroy_process_group()
 
 
+def check_dry_run_cuda(ctx: Context) -> dict:
+    """`t5forge dry-run --device cuda`: rank 0's shard of mT5-xl as dp8 x tp8 (64 ranks), ZeRO-1, selective
+    recomputation, 4 x 512 -> 114 tokens a micro-batch, on its real kernels over the fake group of 64 ranks.
+    Its real peak (torch.cuda.max_memory_allocated: the allocator's view, rounding included) beside the
+    tracker's tensor bytes and the memory model's estimate (passed: the model within 10% of the tracker).
+    On the CPU: a tiny model's shard on real CPU kernels."""
+    from t5forge.bench.memory_grid import case_run, estimate_row
+    from t5forge.train.dry_run import dry_run
+
+    if ctx.cpu:
+        shape = [o for o in ctx.small if not o.startswith("model.overrides.num_heads")]
+        overrides, ranks = [*shape, "model.overrides.num_heads=8", "parallel.dp=2", "parallel.tp=4",
+                            "parallel.zero_stage=1", "parallel.activation_checkpointing=selective",
+                            "train.micro_batch_size=2", "train.global_batch_size=8", "data.inputs_length=64"], 8
+    else:
+        overrides, ranks = ["model.preset=mt5-xl", "parallel.dp=8", "parallel.tp=8", "parallel.zero_stage=1",
+                            "parallel.activation_checkpointing=selective", "train.micro_batch_size=4",
+                            "train.global_batch_size=64", "data.inputs_length=512"], 64
+    run = case_run([f"precision.dtype={ctx.precision}", *overrides], large=True)
+    result = dry_run(run, ranks, device=ctx.device.type, fake_tensors=False)
+    row = estimate_row("dry_run_cuda", ranks, result["memory"], result, run)
+    out = {"layout": result["layout"], "tracker_peak_gib": result["memory"]["peak_bytes"] / 2**30,
+           "tracker_by_category_gib": {k: v / 2**30 for k, v in result["memory"]["by_category"].items()},
+           "model_estimate_gib": row["estimate_total"] / 2**30, "model_error": row["error"],
+           "communication_ok": result["communication"]["ok"]}
+    if "cuda" in result:
+        out.update(max_memory_allocated_gib=result["cuda"]["max_memory_allocated"] / 2**30,
+                   step_s=result["cuda"]["step_s"])
+    out["passed"] = bool(result["communication"]["ok"]) and abs(row["error"]) <= 0.10
+    return out
+
+
 def check_dp2_gloo(ctx: Context) -> dict:
     """`t5forge train` as two ranks under torchrun (the project's launcher, lifecycle.launch) with parallel.dp=2,
     ZeRO 0 and parallel.backend=gloo, on the one device (gloo lets the second rank share GPU 0: gloo moves CUDA
@@ -614,12 +648,14 @@ class Check:
 #   activation_checkpointing  3 runs x 3 steps of 8 x 128                                         20 s      90 s
 #   fake_pg_world8            one rank's shard of dp2 x tp4 ZeRO-3, then of dp8 ZeRO-3, 2 steps
 #                             each                                                              20 s      90 s
+#   dry_run_cuda              mT5-xl / 8 (0.6B parameters with the vocabulary's split): 2 steps of
+#                             4 x 4 x 626 tokens, ~10 TFLOP; the model built on real kernels ~10 s          20 s      90 s
 #   dp2_gloo                  2 fresh processes (imports ~10 s each, in parallel) + 4 steps;
 #                             the one-rank reference in the child                              35 s     150 s
 #   compile                   inductor + Triton: ~8 block graphs forward and backward (16 cores)  90 s     240 s
 #   bench_vs_transformers     t5-v1.1-base 32 x 512 bf16: (2 + 10) steps each side ~0.1-0.2 s,
 #                             two model builds ~20 s                                            40 s     240 s
-#   total                                                                                    ~355 s; budget 440 s
+#   total                                                                                    ~375 s; budget 440 s
 # The budget caps every timeout (a check gets at most what is left of it), so the run stays under 8 minutes.
 CHECKS = [
     Check("prepare_data", check_prepare_data, 15, 120, 120, needs_data=False),
@@ -633,6 +669,7 @@ CHECKS = [
     Check("finetune_eval", check_finetune_eval, 25, 120, 120),
     Check("activation_checkpointing", check_activation_checkpointing, 20, 90, 120),
     Check("fake_pg_world8", check_fake_pg_world8, 20, 90, 120),
+    Check("dry_run_cuda", check_dry_run_cuda, 20, 90, 120, needs_data=False),
     Check("dp2_gloo", check_dp2_gloo, 35, 150, 150),
     Check("compile", check_compile, 90, 240, 180),
     Check("bench_vs_transformers", check_bench_vs_transformers, 40, 240, 240),

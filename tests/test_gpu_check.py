@@ -24,7 +24,7 @@ ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 EMULATION = Path(__file__).parent / "gpu_emulation"
 CHECKS = {"prepare_data", "parity", "train_bf16", "fp16_loss_scaling", "checkpoint_resume", "hf_export", "comm_audit",
-          "generation", "finetune_eval", "activation_checkpointing", "fake_pg_world8", "dp2_gloo", "compile",
+          "generation", "finetune_eval", "activation_checkpointing", "fake_pg_world8", "dry_run_cuda", "dp2_gloo", "compile",
           "bench_vs_transformers"}
 
 

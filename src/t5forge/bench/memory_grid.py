@@ -216,6 +216,32 @@ def summary(rows: list[dict]) -> dict:
             "within_tolerance": all(abs(r["error"]) <= TOLERANCE for r in rows)}
 
 
+def memory_report(work_dir: str | Path, echo=print, real: bool = True) -> tuple[dict, list[str]]:
+    """The three comparisons (dry runs of the equivalence layouts and of the large grid, real gloo runs of the
+    equivalence layouts), as JSON and as markdown sections of benchmarks/planner.md."""
+    started = time.perf_counter()
+    sections = {"equivalence_dry_runs": dry_run_rows(EQUIVALENCE, large=False, echo=echo),
+                "large_grid_dry_runs": dry_run_rows(LARGE, large=True, echo=echo)}
+    if real:
+        sections["equivalence_real_runs"] = real_rows(EQUIVALENCE, Path(work_dir, "memory-real"), echo=echo)
+    result = {name: {"summary": summary(rows), "rows": rows} for name, rows in sections.items()}
+    result["seconds"] = time.perf_counter() - started
+    titles = {"equivalence_dry_runs": "The equivalence suite's layouts: dry runs (fake tensors)",
+              "large_grid_dry_runs": "Large models at scale: dry runs (fake tensors)",
+              "equivalence_real_runs": "The equivalence suite's layouts: real gloo jobs, every rank (real tensors)"}
+    lines = ["## Memory model against measurements", "",
+             "Peak tensor bytes of one rank's training step (the second of two) by category, measured by "
+             "train/memory_tracker.py, beside parallel/memory_model.py's estimate from the config, the shapes and "
+             "the layout alone. GiB; error = estimate / measured - 1 of the total; the bound is "
+             f"{TOLERANCE:.0%}. Regenerate: `t5forge bench planner`.", ""]
+    for name, rows in sections.items():
+        s = result[name]["summary"]
+        lines += [f"### {titles[name]}", "",
+                  f"{s['rows']} ranks; largest error {100 * s['largest_error']:+.1f}% ({s['largest_error_at']}); "
+                  f"{'all' if s['within_tolerance'] else 'NOT all'} within {TOLERANCE:.0%}.", "", *table(rows), ""]
+    return result, lines
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(sys.argv[2], sys.argv[3:])
