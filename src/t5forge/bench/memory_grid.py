@@ -66,6 +66,7 @@ EQUIVALENCE: dict[str, tuple[int, list[str]]] = {
 # The large-model grid: the published T5 v1.1 and mT5 shapes at their lengths (512 -> 114), bf16, at the
 # world sizes they are trained at; every ZeRO stage, tp 1-8, pp 1-8, sequence parallelism on and off,
 # every checkpointing mode, and every pipeline schedule appear.
+SP_LENGTH = "data.inputs_length=536"  # 536 -> 120 targets: both divisible by tp (sequence parallelism splits them)
 LARGE: dict[str, tuple[int, list[str]]] = {
     "large_dp8_zero0": (8, ["model.preset=t5-v1_1-large", "parallel.dp=8", "train.micro_batch_size=4",
                             "train.global_batch_size=64"]),
@@ -74,13 +75,13 @@ LARGE: dict[str, tuple[int, list[str]]] = {
                                 "train.global_batch_size=128"]),
     "large_dp4_tp2_zero2": (8, ["model.preset=t5-v1_1-large", "parallel.dp=4", "parallel.tp=2",
                                 "parallel.zero_stage=2", "train.micro_batch_size=4", "train.global_batch_size=32"]),
-    "large_tp8_sp": (8, ["model.preset=t5-v1_1-large", "parallel.tp=8", "parallel.sequence_parallel=true",
+    "large_tp8_sp": (8, ["model.preset=t5-v1_1-large", "parallel.tp=8", "parallel.sequence_parallel=true", SP_LENGTH,
                          "train.micro_batch_size=8", "train.global_batch_size=16"]),
     "large_dp8_zero3_full": (8, ["model.preset=t5-v1_1-large", "parallel.dp=8", "parallel.zero_stage=3",
                                  "parallel.activation_checkpointing=full", "train.micro_batch_size=16",
                                  "train.global_batch_size=128"]),
     "xl_dp8_tp4_zero1_sp_sel": (32, ["model.preset=t5-v1_1-xl", "parallel.dp=8", "parallel.tp=4",
-                                     "parallel.zero_stage=1", "parallel.sequence_parallel=true",
+                                     "parallel.zero_stage=1", "parallel.sequence_parallel=true", SP_LENGTH,
                                      "parallel.activation_checkpointing=selective", "train.micro_batch_size=4",
                                      "train.global_batch_size=64"]),
     "xl_dp16_tp2_pp2_zero1": (64, ["model.preset=t5-v1_1-xl", "parallel.dp=16", "parallel.tp=2", "parallel.pp=2",
@@ -108,7 +109,7 @@ LARGE: dict[str, tuple[int, list[str]]] = {
                                     "parallel.activation_checkpointing=full", "train.micro_batch_size=4",
                                     "train.global_batch_size=256"]),
     "mt5xxl_dp16_tp8_sp_zero1": (128, ["model.preset=mt5-xxl", "parallel.dp=16", "parallel.tp=8",
-                                       "parallel.sequence_parallel=true", "parallel.zero_stage=1",
+                                       "parallel.sequence_parallel=true", "parallel.zero_stage=1", SP_LENGTH,
                                        "train.micro_batch_size=1", "train.global_batch_size=32"]),
     "mt5xxl_dp8_tp4_pp4_interleaved_full": (128, ["model.preset=mt5-xxl", "parallel.dp=8", "parallel.tp=4",
                                                   "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b",
@@ -126,18 +127,23 @@ def case_run(overrides: list[str], large: bool):
     return load_config(None, [*SCRATCH, *base, *overrides])
 
 
-def estimate_row(name: str, ranks: int, measured: dict, described: dict, run) -> dict:
-    """One rank's measurement beside the memory model's estimate for it."""
+def estimate(row: dict, run):
+    """The memory model's estimate for the rank of a row (its layout and shapes as the dry run described them)."""
     from t5forge.parallel.memory_model import estimate_memory
 
-    layout = Layout(**{**described["comm_layout"], "pp_layers": tuple(described["comm_layout"]["pp_layers"])})
-    shapes = Shapes(**described["shapes"])
-    estimate = estimate_memory(build_model_config(run), layout, shapes, pp_rank=described["coordinates"]["pp"])
-    error = estimate.total / measured["peak_bytes"] - 1
-    return {"name": name, "ranks": ranks, "rank": described["rank"], "pp_rank": described["coordinates"]["pp"],
-            "measured": measured["by_category"], "measured_total": measured["peak_bytes"],
-            "peak_phase": measured["peak_phase"], "estimate": dict(estimate.by_category),
-            "estimate_total": estimate.total, "error": error}
+    layout = Layout(**{**row["comm_layout"], "pp_layers": tuple(row["comm_layout"]["pp_layers"])})
+    return estimate_memory(build_model_config(run), layout, Shapes(**row["shapes"]), pp_rank=row["pp_rank"])
+
+
+def estimate_row(name: str, ranks: int, measured: dict, described: dict, run) -> dict:
+    """One rank's measurement beside the memory model's estimate for it."""
+    row = {"name": name, "ranks": ranks, "rank": described["rank"], "pp_rank": described["coordinates"]["pp"],
+           "comm_layout": described["comm_layout"], "shapes": described["shapes"],
+           "measured": measured["by_category"], "measured_total": measured["peak_bytes"],
+           "peak_phase": measured["peak_phase"]}
+    model = estimate(row, run)
+    return {**row, "estimate": dict(model.by_category), "estimate_total": model.total,
+            "error": model.total / measured["peak_bytes"] - 1}
 
 
 def dry_run_rows(cases: dict[str, tuple[int, list[str]]], large: bool, ranks_to_examine=None, echo=print) -> list[dict]:
@@ -153,7 +159,9 @@ def dry_run_rows(cases: dict[str, tuple[int, list[str]]], large: bool, ranks_to_
             started = time.perf_counter()
             result = dry_run(run, ranks, rank=rank)
             row = estimate_row(name, ranks, result["memory"], result, run)
-            row.update(seconds=time.perf_counter() - started, communication_ok=result["communication"]["ok"])
+            totals = result["communication"]["totals"]
+            row.update(seconds=time.perf_counter() - started, communication_ok=result["communication"]["ok"],
+                       communication_bytes=totals["bytes"], communication_required_bytes=totals["required_bytes"])
             echo(f"{name} rank {rank}: measured {row['measured_total'] / 2**30:.3f} GiB, model "
                  f"{row['estimate_total'] / 2**30:.3f} GiB ({100 * row['error']:+.1f}%), {row['seconds']:.1f} s")
             rows.append(row)
@@ -170,7 +178,9 @@ def real_rows(cases: dict[str, tuple[int, list[str]]], scratch: str | Path, echo
         run = case_run(overrides, large=False)
         for rank in range(ranks):
             report = json.loads((out / f"rank{rank}.json").read_text())
-            rows.append(estimate_row(name, ranks, report["memory"], report, run))
+            rows.append({**estimate_row(name, ranks, report["memory"], report, run),
+                         "communication_bytes": report["communication_bytes"],
+                         "communication_required_bytes": report["communication_required_bytes"]})
         worst = max(abs(r["error"]) for r in rows[-ranks:])
         echo(f"{name}: {ranks} real ranks, largest error of the model {100 * worst:.1f}%")
     return rows
@@ -189,7 +199,13 @@ def worker(out: str, overrides: list[str]) -> None:
     run = case_run(overrides, large=False)
     init_distributed(run.parallel)
     with Trainer(run, echo=lambda *_: None, dry_run=contextlib.nullcontext()) as trainer:  # real tensors, no data
-        report = {**describe_rank(trainer, run), "memory": measure_step(trainer)["memory"]}
+        described = describe_rank(trainer, run)
+        measured = measure_step(trainer)
+        layout = Layout(**{**described["comm_layout"], "pp_layers": tuple(described["comm_layout"]["pp_layers"])})
+        required = trainer.required_communication(layout)
+        report = {**described, "memory": measured["memory"],
+                  "communication_bytes": sum(t["bytes"] for t in measured["collectives"]["totals"]),
+                  "communication_required_bytes": sum(v["bytes"] for v in required.values())}
         Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
         del trainer
         gc.collect()  # communication handles must not be freed during interpreter shutdown (see cli.cmd_train)
@@ -202,18 +218,19 @@ def _gib(nbytes: float) -> str:
 def table(rows: list[dict]) -> list[str]:
     """Markdown: one row per measured rank, GiB by category measured / estimated, and the error."""
     header = ["layout", "ranks", "rank (stage)", *[f"{c} (meas / model)" for c in CATEGORIES], "total (meas / model)",
-              "error", "peak during"]
+              "error", "peak during", "bytes sent: audit / comm_model"]
     body = [[r["name"], str(r["ranks"]), f"{r['rank']} ({r['pp_rank']})",
              *[f"{_gib(r['measured'][c])} / {_gib(r['estimate'][c])}" for c in CATEGORIES],
              f"{_gib(r['measured_total'])} / {_gib(r['estimate_total'])}", f"{100 * r['error']:+.1f}%",
-             r["peak_phase"]] for r in rows]
+             r["peak_phase"], f"{r['communication_bytes']} / {r['communication_required_bytes']}"] for r in rows]
     return markdown_table(header, body)
 
 
 def summary(rows: list[dict]) -> dict:
     worst = max(rows, key=lambda r: abs(r["error"]))
     return {"rows": len(rows), "largest_error": worst["error"], "largest_error_at": f"{worst['name']} rank {worst['rank']}",
-            "within_tolerance": all(abs(r["error"]) <= TOLERANCE for r in rows)}
+            "within_tolerance": all(abs(r["error"]) <= TOLERANCE for r in rows),
+            "communication_exact": all(r["communication_bytes"] == r["communication_required_bytes"] for r in rows)}
 
 
 def memory_report(work_dir: str | Path, echo=print, real: bool = True) -> tuple[dict, list[str]]:
@@ -238,7 +255,9 @@ def memory_report(work_dir: str | Path, echo=print, real: bool = True) -> tuple[
         s = result[name]["summary"]
         lines += [f"### {titles[name]}", "",
                   f"{s['rows']} ranks; largest error {100 * s['largest_error']:+.1f}% ({s['largest_error_at']}); "
-                  f"{'all' if s['within_tolerance'] else 'NOT all'} within {TOLERANCE:.0%}.", "", *table(rows), ""]
+                  f"{'all' if s['within_tolerance'] else 'NOT all'} within {TOLERANCE:.0%}. Bytes each rank sent in "
+                  f"the measured step (the audit) {'equal' if s['communication_exact'] else 'do NOT all equal'} "
+                  "the communication model's, which the planner's time model prices.", "", *table(rows), ""]
     return result, lines
 
 
