@@ -7,7 +7,8 @@ ones: the same code counts both.
 Written by hand rather than with torch's MemTracker, which refuses a module called twice in one step (every
 micro-batch of gradient accumulation, every micro-batch of a pipeline schedule, the shared embedding of the
 encoder and the decoder). The idea is the same: a TorchDispatchMode sees every op's outputs; each new
-storage counts its bytes until it is freed (a weak reference's callback), in the category it has then.
+storage counts its bytes until it is freed (a weak reference's callback) or resized (FSDP frees its gathered
+parameters by resizing their storages to nothing), in the category it has then.
 A storage is born temporary and moves when its role is known: saved for backward (a saved-tensors hook),
 or made by a forward pass and still alive when that forward pass returns (what activation checkpointing
 keeps is hidden from saved-tensors hooks; a forward hook on the model or on each pipeline stage sees it)
@@ -78,8 +79,10 @@ class MemoryTracker(TorchDispatchMode):
     def track(self, tensor: torch.Tensor, category: str) -> None:
         """Count `tensor`'s storage in `category` (moving it there if already counted)."""
         storage = self._storage(tensor)
-        if storage is None:
-            return
+        if storage is not None:
+            self._count(storage, category)
+
+    def _count(self, storage, category: str) -> None:
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
@@ -209,8 +212,38 @@ class MemoryTracker(TorchDispatchMode):
         stack.callback(setattr, ShardingPropagator, "_propagate_tensor_meta_non_cached", original)
         return stack
 
+    def _resized(self, storage) -> None:
+        """FSDP frees and re-allocates its gathered parameters by resizing their storages in place
+        (`UntypedStorage.resize_`, unseen by dispatch): count the new size. Such storages are communication
+        buffers, never activations."""
+        key = id(storage)
+        self._buffers.add(key)
+        entry = self._live.get(key)
+        if entry is None:
+            self._count(storage, "temporary")
+            return
+        delta = storage.nbytes() - entry[0]
+        entry[0] += delta
+        self.current[entry[1]] += delta
+        self._update_peak()
+
+    def _watch_resizes(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            if not self._propagating:
+                self._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        stack.callback(setattr, torch.UntypedStorage, "resize_", original)
+        return stack
+
     def __enter__(self):
         self._propagation = self._outside_propagation()
+        self._propagation.enter_context(self._watch_resizes())
         super().__enter__()
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved.__enter__()
