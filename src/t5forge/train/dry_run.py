@@ -162,6 +162,9 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
     whether tensors are fake (default: on the CPU only); real ones on the CPU compute the rank's shard (the
     tests compare both)."""
     check_request(world_size, rank, device)
+    if run.optim.name == "adafactor" and (device == "cpu" if fake_tensors is None else fake_tensors):
+        raise ConfigError("a dry run on fake tensors cannot step Adafactor (its update reads a norm on the host); "
+                          "dry-run with optim.name=adamw, or with --device cuda")
     started = time.perf_counter()
     fake_tensors = device == "cpu" if fake_tensors is None else fake_tensors
     with fake_world(world_size, rank):

@@ -175,6 +175,8 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._propagating:
             return out
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            self._same_storage(args[0], out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(self._storage(t)) not in self._live:
                 self.track(t, "temporary")
@@ -183,6 +185,21 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and (storage := self._storage(t)) is not None:
                     self._buffers.add(id(storage))
         return out
+
+    def _same_storage(self, waited: torch.Tensor, result: torch.Tensor) -> None:
+        """A functional collective's wait returns its input (the same storage); on fake tensors it returns a new
+        fake tensor: the input's count moves to it, so that the result is counted once."""
+        old, new = self._storage(waited), self._storage(result)
+        if old is None or new is None or old is new or id(new) in self._live:
+            return
+        entry = self._live.pop(id(old), None)
+        if entry is None:
+            return
+        self._buffers.discard(id(old))
+        key = id(new)
+        entry[2] = weakref.ref(new, lambda _, key=key, self=weakref.ref(self): self() and self()._freed(key))
+        self._live[key] = entry
+        self._buffers.add(key)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._reclassify(tensor, "activations")

@@ -1,0 +1,68 @@
+"""The memory model (parallel/memory_model.py) within 10% of the measured peak: live dry runs of every layout
+of the equivalence suite, and the large-model grid (t5-v1.1-large, xl, xxl, mT5-xxl at 8-1024 ranks) as
+measured by `t5forge bench planner` into benchmarks/planner.json, whose rows are re-estimated with the model
+as it is now (one of them is re-measured live in test_dry_run.py; `make test-e2e` re-measures them all)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from t5forge.bench.memory_grid import EQUIVALENCE, LARGE, TOLERANCE, case_run, dry_run_rows, estimate
+
+COMMITTED = Path(__file__).parents[2] / "benchmarks" / "planner.json"
+
+
+def committed_rows(section: str) -> list[dict]:
+    return json.loads(COMMITTED.read_text())["memory"][section]["rows"]
+
+
+def describe(rows: list[dict]) -> str:
+    return "\n".join(f"{r['name']} rank {r['rank']}: measured {r['measured_total']}, model {r['estimate_total']} "
+                     f"({100 * r['error']:+.1f}%) {r['measured']} vs {r['estimate']}" for r in rows)
+
+
+def test_equivalence_layouts_live():
+    rows = dry_run_rows(EQUIVALENCE, large=False, echo=lambda *_: None)
+    assert len(rows) >= len(EQUIVALENCE)
+    assert all(r["communication_ok"] for r in rows)
+    wrong = [r for r in rows if abs(r["error"]) > TOLERANCE]
+    assert not wrong, describe(wrong)
+
+
+def test_large_grid_as_committed():
+    rows = committed_rows("large_grid_dry_runs")
+    assert {r["name"] for r in rows} == set(LARGE)  # the committed grid is the grid of the code
+    wrong = []
+    for row in rows:
+        total = estimate(row, case_run(LARGE[row["name"]][1], large=True)).total
+        if abs(total / row["measured_total"] - 1) > TOLERANCE:
+            wrong.append({**row, "estimate_total": total, "error": total / row["measured_total"] - 1})
+    assert not wrong, describe(wrong)
+
+
+def test_real_runs_as_committed():
+    """Real gloo jobs (every rank, real tensors) of the equivalence layouts, as committed."""
+    rows = committed_rows("equivalence_real_runs")
+    assert {r["name"] for r in rows} == set(EQUIVALENCE)
+    wrong = []
+    for row in rows:
+        total = estimate(row, case_run(EQUIVALENCE[row["name"]][1], large=False)).total
+        if abs(total / row["measured_total"] - 1) > TOLERANCE:
+            wrong.append({**row, "estimate_total": total, "error": total / row["measured_total"] - 1})
+    assert not wrong, describe(wrong)
+
+
+@pytest.mark.e2e
+def test_large_grid_live():
+    """Every case of the large grid dry-run again (~5 minutes): the measurements are the committed ones, and
+    the model is within 10% of them."""
+    rows = dry_run_rows(LARGE, large=True, echo=lambda *_: None)
+    committed = {(r["name"], r["rank"]): r for r in committed_rows("large_grid_dry_runs")}
+    for row in rows:
+        assert row["measured"] == committed[(row["name"], row["rank"])]["measured"], row["name"]
+        assert row["communication_ok"], row["name"]
+    wrong = [r for r in rows if abs(r["error"]) > TOLERANCE]
+    assert not wrong, describe(wrong)
