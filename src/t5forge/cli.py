@@ -272,6 +272,59 @@ def cmd_comm_audit(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else EXIT_EXCESS_COMMUNICATION
 
 
+def _plan_model(model: str):
+    """(model config, defaults) of `t5forge plan MODEL`: a preset or an HF directory (no defaults), or a run
+    config (its global batch and lengths)."""
+    if not Path(model).is_file():
+        return _load_config(model), {}
+    from t5forge.config import batch_arithmetic, load_config
+    from t5forge.train.build import build_model_config, targets_length
+
+    run = load_config(model, ["train.output_dir=unused"])
+    batch, _ = batch_arithmetic(run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
+    return build_model_config(run), {"global_batch": batch, "inputs_length": run.data.inputs_length,
+                                     "targets_length": targets_length(run)}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from t5forge.data.spans import compute_input_and_target_lengths
+    from t5forge.errors import ConfigError
+    from t5forge.parallel.planner import (
+        Planner,
+        Workload,
+        format_explanation,
+        format_plan,
+        make_cluster,
+        parse_bandwidth,
+        parse_memory,
+        plan_dict,
+        prediction_dict,
+    )
+
+    config, defaults = _plan_model(args.model)
+    batch = args.global_batch or defaults.get("global_batch")
+    if batch is None:
+        raise ConfigError("--global-batch is required (MODEL is a preset or an HF directory, not a run config)")
+    if args.top < 1:
+        raise ConfigError(f"--top must be at least 1, got {args.top}")
+    inputs = args.inputs_length or defaults.get("inputs_length", 512)
+    targets = args.targets_length or defaults.get("targets_length") or compute_input_and_target_lengths(inputs)[1]
+    cluster = make_cluster(args.gpus, args.gpu, args.gpus_per_node,
+                           memory=parse_memory(args.gpu_memory) if args.gpu_memory else None,
+                           intra_node=parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None,
+                           inter_node=parse_bandwidth(args.inter_node_bandwidth) if args.inter_node_bandwidth else None)
+    planner = Planner(config, cluster, Workload(batch, inputs, targets))
+    if args.explain:
+        prediction = planner.explain(args.explain)
+        text = json.dumps(prediction_dict(prediction), indent=1) + "\n" if args.json else \
+            format_explanation(planner, prediction)
+        print(text, end="")
+        return 0
+    plan = planner.plan(top=args.top, model=args.model)
+    print(json.dumps(plan_dict(plan), indent=1) + "\n" if args.json else format_plan(plan), end="")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from t5forge.train.evaluate import evaluate_run
 
@@ -441,6 +494,35 @@ def build_parser() -> argparse.ArgumentParser:
         "step waited on them.",
         "start N processes on this machine")
     audit.add_argument("--json", action="store_true", help="print the report as JSON (rank 0)")
+
+    plan = sub.add_parser(
+        "plan", help="rank the parallel layouts of a model on a cluster by predicted step time",
+        description="Enumerates dp/tp/pp, ZeRO stage, sequence parallelism, activation checkpointing, micro-batch "
+                    "and pipeline schedule; drops what does not fit in memory; predicts each step (compute at a "
+                    "stated share of the GPU's peak, the communication model's bytes over the links, the pipeline "
+                    "bubble) and prints the fastest. MODEL is a preset, an HF directory or a run config (YAML: its "
+                    "global batch and lengths are the defaults). See docs/guides/planner.md.")
+    plan.add_argument("model", metavar="MODEL")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in all")
+    plan.add_argument("--gpus-per-node", type=int, metavar="G", help="default: the GPU's reference system (8)")
+    plan.add_argument("--gpu", default="A100", help="GPU kind (default A100, the 80 GB SXM4): "
+                      "H200, H100, H100-PCIE, A100, A100-40GB, V100, V100-16GB, L40S, L4, T4")
+    plan.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 80GiB (GiB and G: 2^30 bytes, GB: "
+                      "10^9); default: the GPU's")
+    plan.add_argument("--global-batch", type=int, metavar="B", help="samples per step (required unless MODEL is a "
+                      "run config)")
+    plan.add_argument("--inputs-length", type=int, metavar="S", help="encoder tokens (default 512)")
+    plan.add_argument("--targets-length", type=int, metavar="T",
+                      help="decoder tokens (default: span corruption of the inputs, 114 for 512)")
+    plan.add_argument("--intra-node-bandwidth", metavar="RATE", help="per GPU and direction, e.g. 300GB/s "
+                      "(default: the GPU's NVLink or PCIe)")
+    plan.add_argument("--inter-node-bandwidth", metavar="RATE", help="per GPU and direction, e.g. 200Gbps or 25GB/s "
+                      "(default: the GPU's reference system)")
+    plan.add_argument("--top", type=int, default=5, metavar="K", help="layouts to print (default 5)")
+    plan.add_argument("--explain", metavar="LAYOUT", help="the breakdown of one layout, e.g. "
+                      "dp2_tp2_pp1_zero2_mb16_acfull (without mb<N>: its fastest micro-batch that fits)")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    plan.set_defaults(func=cmd_plan)
 
     evaluation = sub.add_parser("eval", help="validation/test loss, perplexity and token accuracy of a run")
     evaluation.add_argument("run_dir", metavar="RUN_DIR")

@@ -5,6 +5,7 @@ and bad requests end in one line and exit 2."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,10 @@ def test_xxl_pipeline_at_256_ranks():
     assert memory["optimizer"] == pytest.approx(2 * memory["parameters"] / 4, rel=1e-4)
     assert memory["gradients"] == memory["parameters"]  # fp32 gradients of every local parameter at the peak
     assert result["memory"]["peak_bytes"] == sum(memory.values())
+    committed = json.loads((Path(__file__).parents[2] / "benchmarks" / "planner.json").read_text())
+    row = next(r for r in committed["memory"]["large_grid_dry_runs"]["rows"]
+               if r["name"] == "xxl_dp4_tp8_pp8_zero1_sel" and r["rank"] == 0)
+    assert row["measured"] == memory  # the committed grid measures what the code measures now
 
 
 def _cli(capsys, *argv):

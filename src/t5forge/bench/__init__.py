@@ -25,6 +25,11 @@ def _pipeline(output_dir, work_dir) -> dict:
     return run_pipeline_benchmark(output_dir, work_dir)
 
 
+def _planner(output_dir, work_dir) -> dict:
+    from t5forge.bench.planner import run_planner_benchmark
+    return run_planner_benchmark(output_dir, work_dir)
+
+
 def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no corpus
     from t5forge.bench.generate import run_generate_benchmark
     return run_generate_benchmark(output_dir)
@@ -38,4 +43,6 @@ SUITES = {
     "pipeline": (_pipeline, "step time and idle share per stage of pp2/pp4 for each schedule and several "
                  "micro-batch counts, against the theoretical bubble"),
     "generate": (_generate, "greedy and beam-4 tokens/s against transformers' generate"),
+    "planner": (_planner, "the layout planner's predictions beside published T5X and LiBai runs, its planning time "
+                "for mT5-xxl on 1024 GPUs, and the LiBai users' questions it answers"),
 }

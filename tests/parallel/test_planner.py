@@ -1,0 +1,203 @@
+"""`t5forge plan`: the ranking of layouts on two clusters, the time model's communication against
+comm_model's bytes and the ring / alpha-beta formulas, the answer for a model too large for every layout,
+the JSON output, and bad input (one line, exit 2). The model is xxl-wide but two blocks deep, so that
+comm_model (one meta model per reading) stays fast; the planning time of mT5-xxl on 1024 GPUs is measured
+by `t5forge bench planner`, not here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from t5forge.cli import main
+from t5forge.errors import ConfigError
+from t5forge.models.hf import config_to_hf
+from t5forge.models.t5 import T5Config
+from t5forge.parallel.comm_model import step_requirements
+from t5forge.parallel.memory_model import estimate_memory
+from t5forge.parallel.planner import (
+    ALPHA_INTER,
+    ALPHA_INTRA,
+    MEMORY_MARGIN,
+    Candidate,
+    Planner,
+    Workload,
+    affine_requirements,
+    make_cluster,
+    parse_bandwidth,
+    parse_memory,
+)
+
+# mT5-xxl's width (d_model 4096, 64 heads, d_ff 10240), one encoder and one decoder block: 1.5 B parameters.
+WIDE = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, num_layers=1, num_decoder_layers=1,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+WORKLOAD = Workload(global_batch=16, inputs_length=512, targets_length=114)
+
+
+@pytest.fixture(scope="module")
+def wide() -> T5Config:
+    return T5Config(**WIDE)
+
+
+@pytest.fixture
+def model_dir(tmp_path, wide):
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(wide)))
+    return tmp_path
+
+
+def ring_bytes(kind: str, n: int, nbytes: int) -> float:
+    """What one rank sends in a ring collective over n ranks (NCCL's algorithm, independent of the planner)."""
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind] * nbytes
+
+
+def test_one_node_and_two_nodes_rank_differently_and_tp_stays_inside_a_node(wide):
+    one_node = Planner(wide, make_cluster(8, "A100", 8), WORKLOAD).plan(top=3)
+    two_nodes = Planner(wide, make_cluster(8, "A100", 4), WORKLOAD).plan(top=3)
+    slow = Planner(wide, make_cluster(8, "A100", 4, inter_node=parse_bandwidth("20Gbps")), WORKLOAD).plan(top=3)
+    assert one_node.ranked[0].link_bytes["inter_node"] == 0
+    for plan in (two_nodes, slow):
+        assert plan.ranked[0].candidate.tp <= 4  # the winner keeps tensor parallelism off the network
+    # A slower network moves the winner to a layout that sends less over it.
+    fast_winner, slow_winner = two_nodes.ranked[0], slow.ranked[0]
+    assert slow_winner.candidate != fast_winner.candidate
+    slow_planner = Planner(wide, make_cluster(8, "A100", 4, inter_node=parse_bandwidth("20Gbps")), WORKLOAD)
+    assert slow_winner.link_bytes["inter_node"] < slow_planner.predict(fast_winner.candidate).link_bytes["inter_node"]
+
+
+def test_the_winner_is_the_fastest_fitting_layout_of_all(wide):
+    planner = Planner(wide, make_cluster(8, "A100", 4), WORKLOAD)
+    plan = planner.plan(top=3)
+    everything = [planner.predict(c) for c in planner.candidates()[0]]
+    fitting = [p for p in everything if p.memory_total <= (1 - MEMORY_MARGIN) * planner.cluster.memory]
+    assert plan.ranked[0].step_s == pytest.approx(min(p.step_s for p in fitting))
+    assert [p.step_s for p in plan.ranked] == sorted(p.step_s for p in plan.ranked)
+    assert len({p.candidate.name for p in plan.ranked}) == len(plan.ranked)
+
+
+def test_tensor_parallel_over_the_network_is_slower_than_inside_a_node(wide):
+    planner = Planner(wide, make_cluster(8, "A100", 4), WORKLOAD)
+    across = planner.explain("dp1_tp8_pp1_zero0_mb4_acnone")
+    inside = planner.explain("dp2_tp4_pp1_zero0_mb4_acnone")
+    assert across.link_bytes["inter_node"] == pytest.approx(across.dim_bytes["tp"] / 4)  # 4 ranks per node
+    assert inside.link_bytes["inter_node"] == pytest.approx(inside.dim_bytes["dp"])  # tp's bytes stay inside
+    assert across.parts["tp"] > inside.parts["tp"]
+
+
+def test_the_data_parallel_bytes_are_comm_models_with_ring_factors(wide):
+    """dp16 over two nodes of 8, ZeRO-1: what a GPU sends is comm_model's payload times the ring factor, and
+    1/8 of it goes through its NIC (a ring with 8 channels, one per NIC, crosses each node boundary once)."""
+    planner = Planner(wide, make_cluster(16, "A100", 8), WORKLOAD)
+    c = Candidate(dp=16, zero_stage=1, micro_batch_size=1)
+    planner.check(c)
+    p = planner.predict(c)
+    required = step_requirements(wide, planner.shapes(c), planner.layout(c))
+    expected = sum(ring_bytes(r.kind, 16, r.nbytes) for r in required if r.dim == "dp")
+    assert p.dim_bytes["dp"] == pytest.approx(expected)
+    assert p.link_bytes["inter_node"] == pytest.approx(expected / 8)
+    assert p.link_bytes["intra_node"] == pytest.approx(expected * 7 / 8)
+
+
+def test_one_rank_per_node_sends_everything_through_its_nic(wide):
+    """dp2 x tp8 on two nodes of 8: each data-parallel group has one rank per node."""
+    cluster = make_cluster(16, "A100", 8)
+    planner = Planner(wide, cluster, WORKLOAD)
+    c = Candidate(dp=2, tp=8, zero_stage=0, micro_batch_size=8)
+    planner.check(c)
+    p = planner.predict(c)
+    required = [r for r in step_requirements(wide, planner.shapes(c), planner.layout(c)) if r.dim == "dp"]
+    assert p.link_bytes["inter_node"] == pytest.approx(sum(ring_bytes(r.kind, 2, r.nbytes) for r in required))
+
+
+def test_tensor_parallel_time_is_alpha_beta_over_nvlink(wide):
+    """tp8 inside one node, no data parallelism: the exposed tensor-parallel time of the step is, per
+    collective of comm_model, its latency (a tree of log2(8) hops, twice for an all-reduce) plus its ring bytes
+    over NVLink."""
+    cluster = make_cluster(8, "A100", 8)
+    planner = Planner(wide, cluster, WORKLOAD)
+    c = Candidate(dp=1, tp=8, micro_batch_size=4)
+    planner.check(c)
+    required = [r for r in step_requirements(wide, planner.shapes(c), planner.layout(c)) if r.dim == "tp"]
+    expected = sum(r.count * 3 * (2 if r.kind == "all_reduce" else 1) * ALPHA_INTRA
+                   + ring_bytes(r.kind, 8, r.nbytes) / cluster.intra_node for r in required)
+    assert planner.predict(c).parts["tp"] == pytest.approx(expected)
+    assert ALPHA_INTER > ALPHA_INTRA
+
+
+def by_purpose(requirements) -> dict:
+    out: dict = {}
+    for r in requirements:
+        count, nbytes = out.get((r.kind, r.dim, r.what), (0, 0))
+        out[(r.kind, r.dim, r.what)] = (count + r.count, nbytes + r.nbytes)
+    return out
+
+
+def test_pipelined_requirements_at_any_micro_batch_are_comm_models(wide):
+    """Read at three micro-batch shapes, comm_model's requirements of a pipelined layout are those it gives at
+    any other (per purpose: its gradient buckets are summed)."""
+    deeper = T5Config(**{**WIDE, "num_layers": 2, "num_decoder_layers": 2})
+    planner = Planner(deeper, make_cluster(8, "A100", 8), WORKLOAD)
+    c = Candidate(dp=2, tp=2, pp=2, zero_stage=1, micro_batch_size=1)
+    layout, shapes = planner.layout(c), planner.shapes(c)
+    for rank in range(2):
+        at = affine_requirements(deeper, shapes, layout, rank)
+        for b, m in ((4, 2), (2, 4), (1, 8)):
+            direct = step_requirements(deeper, shapes.__class__(b, m, 512, 114), layout, 0, rank)
+            assert by_purpose(at(b, m)) == by_purpose(direct)
+
+
+def test_a_model_too_large_for_every_layout_gets_the_memory_that_would_fit(wide, model_dir, capsys):
+    planner = Planner(wide, make_cluster(1, "V100", memory=parse_memory("8GiB")), Workload(4, 512, 114))
+    plan = planner.plan()
+    assert plan.ranked == [] and plan.too_large is not None
+    least = min(estimate_memory(wide, planner.layout(c), planner.shapes(c)).total for c in planner.candidates()[0])
+    assert plan.too_large.memory_needed == math.ceil(least / (1 - MEMORY_MARGIN))
+    assert plan.too_large.best.fits
+    assert main(["plan", str(model_dir), "--gpus", "1", "--gpu", "V100", "--gpu-memory", "8GiB",
+                 "--global-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "No layout fits in 8.0 GiB" in out and plan.too_large.best.candidate.name in out
+    assert "not built" in out  # CPU offload
+
+
+def test_json_output(model_dir, capsys):
+    assert main(["plan", str(model_dir), "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "16",
+                 "--top", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"]["gpus"] == 8 and out["cluster"]["gpus_per_node"] == 4
+    assert 1 <= len(out["layouts"]) <= 2
+    first = out["layouts"][0]
+    assert set(first["memory_bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporary", "total"}
+    assert set(first["bytes_per_step"]) == {"intra_node", "inter_node"}
+    assert first["samples_per_s"] == pytest.approx(16 / first["step_s"])
+    assert first["why"] and out["too_large"] is None
+
+
+def test_explain_prints_the_breakdown(model_dir, capsys):
+    assert main(["plan", str(model_dir), "--gpus", "4", "--global-batch", "16", "--explain", "dp2_tp2_zero1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dp2_tp2_pp1_zero1_mb") and "step " in out and "tensor-parallel" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "8", "--gpu", "B300"], "unknown GPU 'B300'"),
+    (["--gpus", "8", "--gpu-memory", "80XB"], "memory size '80XB'"),
+    (["--gpus", "8", "--inter-node-bandwidth", "fast"], "bandwidth 'fast'"),
+    (["--gpus", "3", "--explain", "dp1_tp3_mb1"], "num_heads=64 is not divisible by parallel.tp=3"),
+    (["--gpus", "4", "--explain", "dp1_pp4_mb4"], "the model has only 2 blocks"),
+    (["--gpus", "8", "--explain", "dp2_tp2_mb1"], "dp x tp x pp = 2 x 2 x 1 = 4"),
+])
+def test_bad_input_is_one_line_and_exit_2(model_dir, capsys, args, message):
+    assert main(["plan", str(model_dir), "--global-batch", "16", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("t5forge plan: error: ") and message in err
+
+
+def test_sizes_and_rates_parse_with_their_units():
+    assert parse_memory("80GiB") == parse_memory("80G") == 80 * 2**30
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_bandwidth("400Gbps") == parse_bandwidth("400Gb/s") == 50e9
+    assert parse_bandwidth("200GB/s") == 200e9
+    with pytest.raises(ConfigError):
+        parse_memory("eighty")
