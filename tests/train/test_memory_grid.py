@@ -62,7 +62,7 @@ def test_large_grid_live():
     rows = dry_run_rows(LARGE, large=True, echo=lambda *_: None)
     committed = {(r["name"], r["rank"]): r for r in committed_rows("large_grid_dry_runs")}
     for row in rows:
-        assert row["measured"] == committed[(row["name"], row["rank"])]["measured"], row["name"]
+        assert row["measured_total"] == committed[(row["name"], row["rank"])]["measured_total"], row["name"]
         assert row["communication_ok"], row["name"]
     wrong = [r for r in rows if abs(r["error"]) > TOLERANCE]
     assert not wrong, describe(wrong)
