@@ -26,6 +26,7 @@ from t5forge.parallel.memory_model import (
     worst_rank_memory,
 )
 from t5forge.parallel.pipeline import prune_to_stages, rank_stages, split_blocks, stage_specs
+from t5forge.train.dry_run import fake_tensors_supported
 
 # dims that every dp and tp below divides: shards are exact, with no padding
 SMALL = T5Config(vocab_size=2048, d_model=64, d_kv=16, d_ff=128, num_heads=8, num_layers=3, num_decoder_layers=5,
@@ -198,6 +199,7 @@ TINY = ["model.preset=t5-v1_1-small", "model.overrides.vocab_size=2176", "model.
         "data.dataset=unused", "data.tokenizer=unused", "train.max_steps=2", "train.output_dir=/tmp/t5forge-unused"]
 
 
+@pytest.mark.skipif(not fake_tensors_supported(), reason="fake-tensor dry runs need torch >= 2.13")
 @pytest.mark.parametrize("world, overrides", [
     (1, []),
     (1, ["precision.dtype=bf16", "parallel.activation_checkpointing=selective"]),

@@ -8,13 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
+
+from t5forge.train.dry_run import FAKE_TENSORS_FROM, fake_tensors_supported
 import torch
 
 from t5forge.bench.memory_grid import EQUIVALENCE, LARGE, case_run
 from t5forge.cli import main
 from t5forge.train.dry_run import dry_run, format_dry_run
 
+FAKE = pytest.mark.skipif(not fake_tensors_supported(), reason=f"fake-tensor dry runs need torch >= {FAKE_TENSORS_FROM}")
 
+
+@FAKE
 @pytest.mark.parametrize("name", ["tp2_sp_bf16_ac_full", "dp2_zero3", "pp2_1f1b", "dp2_tp2_zero1_sp"])
 def test_fake_tensors_measure_what_real_tensors_measure(name):
     """The same rank's step on fake tensors and on real ones (the fake group for both): the same collectives,
@@ -35,6 +40,7 @@ def test_fake_tensors_measure_what_real_tensors_measure(name):
     assert fake["communication"]["ok"] and fake["memory"]["by_category"]["activations"] > 0
 
 
+@FAKE
 def test_xxl_pipeline_at_256_ranks():
     """T5 v1.1-xxl as dp4 x tp8 x pp8 (256 ranks), rank 0 (first stage: the embedding, 8 micro-batches in
     flight): it builds, issues exactly what the communication model requires, and its ZeRO-1 optimizer state
@@ -63,6 +69,7 @@ def _cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
+@FAKE
 def test_cli_dry_run_json(capsys, tmp_path):
     """`t5forge train CONFIG --dry-run --world-size N --rank R --json` and `t5forge dry-run` say the same."""
     config = tmp_path / "run.yaml"
@@ -80,6 +87,7 @@ def test_cli_dry_run_json(capsys, tmp_path):
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
+@FAKE
 @pytest.mark.parametrize("argv, message", [
     (["--world-size", "6", "parallel.dp=4"], "parallel.dp x tp x pp = 4 x 1 x 1 = 4, but 6 process(es)"),
     (["--world-size", "4", "--rank", "4", "parallel.dp=4"], "--rank 4 is not a rank of --world-size 4"),

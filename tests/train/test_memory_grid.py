@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from t5forge.train.dry_run import FAKE_TENSORS_FROM, fake_tensors_supported
+
 from t5forge.bench.memory_grid import EQUIVALENCE, LARGE, TOLERANCE, case_run, dry_run_rows, estimate
+
+FAKE = pytest.mark.skipif(not fake_tensors_supported(), reason=f"fake-tensor dry runs need torch >= {FAKE_TENSORS_FROM}")
 
 COMMITTED = Path(__file__).parents[2] / "benchmarks" / "planner.json"
 
@@ -24,6 +28,7 @@ def describe(rows: list[dict]) -> str:
                      f"({100 * r['error']:+.1f}%) {r['measured']} vs {r['estimate']}" for r in rows)
 
 
+@FAKE
 def test_equivalence_layouts_live():
     rows = dry_run_rows(EQUIVALENCE, large=False, echo=lambda *_: None)
     assert len(rows) >= len(EQUIVALENCE)
@@ -56,6 +61,7 @@ def test_real_runs_as_committed():
 
 
 @pytest.mark.e2e
+@FAKE
 def test_large_grid_live():
     """Every case of the large grid dry-run again (~5 minutes): the measurements are the committed ones, and
     the model is within 10% of them."""

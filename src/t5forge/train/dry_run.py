@@ -40,6 +40,12 @@ from t5forge.train.memory_tracker import CATEGORIES, MemoryTracker
 from t5forge.train.trainer import Trainer
 
 DEVICES = ("cpu", "cuda")
+# Older torch has no fake-tensor kernels for c10d's collectives (their fake group then raises mid-step).
+FAKE_TENSORS_FROM = (2, 13)
+
+
+def fake_tensors_supported() -> bool:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= FAKE_TENSORS_FROM
 
 
 def check_request(world_size: int, rank: int, device: str) -> None:
@@ -89,8 +95,9 @@ def _forget_sharding_decisions() -> None:
     clear_all = getattr(debug, "_clear_sharding_prop_cache", None)
     if clear_all is not None:
         clear_all()
-    else:  # older torch: the Python cache only
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    else:  # older torch: the Python cache only (a thread-local wrapper of an lru_cache)
+        cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        getattr(cached, "cache", cached).cache_clear()
     for name in ("_gen_transform_infos", "clear_redistribute_planner_cache"):
         function = getattr(_redistribute, name, None)
         if hasattr(function, "cache_clear"):
@@ -167,6 +174,9 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
                           "dry-run with optim.name=adamw, or with --device cuda")
     started = time.perf_counter()
     fake_tensors = device == "cpu" if fake_tensors is None else fake_tensors
+    if fake_tensors and not fake_tensors_supported():
+        raise ConfigError(f"a dry run on fake tensors needs torch >= {'.'.join(map(str, FAKE_TENSORS_FROM))} (this is "
+                          f"{torch.__version__}): upgrade torch, or dry-run on a GPU with --device cuda")
     with fake_world(world_size, rank):
         fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else None
         with Trainer(run, echo=lambda *_: None, dry_run=fake or contextlib.nullcontext()) as trainer:
