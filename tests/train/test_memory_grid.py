@@ -28,6 +28,7 @@ def describe(rows: list[dict]) -> str:
                      f"({100 * r['error']:+.1f}%) {r['measured']} vs {r['estimate']}" for r in rows)
 
 
+@pytest.mark.e2e  # ~1-2 min; make test checks the committed real runs of the same layouts
 @FAKE
 def test_equivalence_layouts_live():
     rows = dry_run_rows(EQUIVALENCE, large=False, echo=lambda *_: None)
