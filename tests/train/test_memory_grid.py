@@ -23,6 +23,16 @@ def committed_rows(section: str) -> list[dict]:
     return json.loads(COMMITTED.read_text())["memory"][section]["rows"]
 
 
+def re_estimated_outside_tolerance(rows: list[dict], cases: dict, large: bool) -> list[dict]:
+    """The committed rows whose measured total the memory model, as it is now, misses by more than 10%."""
+    wrong = []
+    for row in rows:
+        total = estimate(row, case_run(cases[row["name"]][1], large=large)).total
+        if abs(total / row["measured_total"] - 1) > TOLERANCE:
+            wrong.append({**row, "estimate_total": total, "error": total / row["measured_total"] - 1})
+    return wrong
+
+
 def describe(rows: list[dict]) -> str:
     return "\n".join(f"{r['name']} rank {r['rank']}: measured {r['measured_total']}, model {r['estimate_total']} "
                      f"({100 * r['error']:+.1f}%) {r['measured']} vs {r['estimate']}" for r in rows)
@@ -41,11 +51,7 @@ def test_equivalence_layouts_live():
 def test_large_grid_as_committed():
     rows = committed_rows("large_grid_dry_runs")
     assert {r["name"] for r in rows} == set(LARGE)  # the committed grid is the grid of the code
-    wrong = []
-    for row in rows:
-        total = estimate(row, case_run(LARGE[row["name"]][1], large=True)).total
-        if abs(total / row["measured_total"] - 1) > TOLERANCE:
-            wrong.append({**row, "estimate_total": total, "error": total / row["measured_total"] - 1})
+    wrong = re_estimated_outside_tolerance(rows, LARGE, large=True)
     assert not wrong, describe(wrong)
 
 
@@ -53,11 +59,7 @@ def test_real_runs_as_committed():
     """Real gloo jobs (every rank, real tensors) of the equivalence layouts, as committed."""
     rows = committed_rows("equivalence_real_runs")
     assert {r["name"] for r in rows} == set(EQUIVALENCE)
-    wrong = []
-    for row in rows:
-        total = estimate(row, case_run(EQUIVALENCE[row["name"]][1], large=False)).total
-        if abs(total / row["measured_total"] - 1) > TOLERANCE:
-            wrong.append({**row, "estimate_total": total, "error": total / row["measured_total"] - 1})
+    wrong = re_estimated_outside_tolerance(rows, EQUIVALENCE, large=False)
     assert not wrong, describe(wrong)
 
 
