@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from t5forge.config import RunConfig
 from t5forge.errors import ConfigError
 from t5forge.parallel.comm_audit import CollectiveRecorder, build_report, format_report, mesh_dims, record_to_dict
-from t5forge.parallel.comm_model import Shapes, check_covered
+from t5forge.parallel.comm_model import Layout, Shapes, check_covered
 from t5forge.train.build import comm_layout
 from t5forge.train.memory_tracker import CATEGORIES, MemoryTracker
 from t5forge.train.trainer import Trainer
@@ -181,8 +181,8 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
         fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else None
         with Trainer(run, echo=lambda *_: None, dry_run=fake or contextlib.nullcontext()) as trainer:
             built_s = time.perf_counter() - started
-            result = {**describe_rank(trainer, run), "device": device}
             layout = comm_layout(run, trainer.plan.pp_layers, trainer.device)
+            result = {**describe_rank(trainer, run, layout), "device": device}
             measured = measure_step(trainer)
             result.update(memory=measured["memory"], build_s=built_s, seconds=time.perf_counter() - started)
             if device == "cuda":
@@ -203,11 +203,11 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
     return result
 
 
-def describe_rank(trainer: Trainer, run: RunConfig) -> dict:
+def describe_rank(trainer: Trainer, run: RunConfig, layout: Layout | None = None) -> dict:
     """Where this rank is and what it runs, in plain types (`comm_layout` and `shapes`: what the memory and
-    communication models take)."""
+    communication models take; `layout`: the run's comm_layout when the caller has it)."""
     mesh, plan = trainer.mesh, trainer.plan
-    layout = comm_layout(run, plan.pp_layers, trainer.device)
+    layout = layout if layout is not None else comm_layout(run, plan.pp_layers, trainer.device)
     return {
         "world_size": dist.get_world_size(), "rank": dist.get_rank(),
         "coordinates": {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.mesh["tp"].get_local_rank()},
