@@ -9,12 +9,13 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from t5forge.cli import main
 from t5forge.config import ParallelConfig
 from t5forge.errors import ConfigError
 from t5forge.models.presets import get_preset
-from t5forge.models.t5 import T5Config
+from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.comm_model import Layout, Shapes, step_requirements, totals
 from t5forge.parallel.pipeline import (
     balance,
@@ -22,6 +23,9 @@ from t5forge.parallel.pipeline import (
     check_schedule,
     describe_split,
     part_parameter_names,
+    part_parameters,
+    prune_to_stages,
+    rank_stages,
     split_blocks,
     stage_specs,
 )
@@ -89,6 +93,21 @@ def test_parts_hold_every_parameter_once_and_copies_of_the_shared_ones(layers, t
     first_decoder = next(s.index for s in specs if s.decoder and s.decoder.start == 0)
     assert holders == sorted({0, first_decoder} | ({len(specs) - 1} if tied else set()))
     assert sum("lm_head.weight" in part for part in parts) == (0 if tied else 1)
+
+
+@pytest.mark.parametrize("model_type, tied", [("t5", True), ("t5", False), ("umt5", False)])
+def test_part_parameters_are_those_of_the_pruned_model(model_type, tied):
+    """part_parameters reads prune_to_stages's rules by name: the same (name, shape) list, in order, as
+    pruning a real (meta) model, for every rank of contiguous and interleaved splits."""
+    config = replace(SMALL, model_type=model_type, tie_word_embeddings=tied, scale_decoder_outputs=tied)
+    for layers, pp in (([8], 1), ([3, 5], 2), ([1, 2, 4, 1], 4), ([2, 1, 1, 2, 1, 1], 3), ([1] * 8, 4)):
+        specs = stage_specs(layers, config)
+        for rank in range(pp):
+            mine = rank_stages(specs, pp, rank)
+            with torch.device("meta"):
+                part = prune_to_stages(T5ForConditionalGeneration(config), mine)
+            expected = [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+            assert part_parameters(config, mine) == expected, (layers, rank)
 
 
 def test_umt5_stages_keep_no_copies_of_position_bias():

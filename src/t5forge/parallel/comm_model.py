@@ -73,13 +73,13 @@ import torch
 
 from t5forge.errors import ConfigError
 from t5forge.models.loss import CHUNK_LOGITS, MIN_CHUNK_TOKENS, chunk_tokens_for
-from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
+from t5forge.models.t5 import T5Config
 from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets, section_ranges, shard_section
 from t5forge.parallel.pipeline import (
     StageSpec,
     boundary_shapes,
     parameter_holders,
-    prune_to_stages,
+    part_parameters,
     rank_stages,
     stage_specs,
 )
@@ -151,11 +151,10 @@ def _local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 def _parameters(config: T5Config, stages: list[StageSpec] | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every distinct parameter, in registration order (a tied head is listed once), of the
     whole model or of the part that holds pipeline `stages`."""
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(config)
-        if stages is not None:
-            prune_to_stages(model, stages)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    if stages is None:
+        blocks = config.num_layers + config.num_decoder_layers
+        stages = stage_specs([blocks], config)
+    return part_parameters(config, stages)
 
 
 def _local_stages(config: T5Config, layout: Layout, pp_rank: int) -> tuple[list[StageSpec], list[StageSpec]]:

@@ -122,7 +122,7 @@ from t5forge.models.loss import MIN_CHUNK_TOKENS, chunk_tokens_for
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.comm_model import Layout, Shapes
 from t5forge.parallel.data_parallel import partition_buckets, section_ranges, shard_section
-from t5forge.parallel.pipeline import StageSpec, boundary_shapes, rank_stages, stage_specs
+from t5forge.parallel.pipeline import StageSpec, boundary_shapes, config_key, rank_stages, stage_specs
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary")
 FP32, INT64 = 4, 8
@@ -235,10 +235,6 @@ class _States:
     buckets: tuple[int, ...]  # ZeRO 0/1: elements of each gradient bucket (ZeRO-1: padded to dp sections)
     vocab_rows: int  # rows of the embedding / head this rank holds (tp or dp split)
     head: bool  # the part holds an untied head of its own
-
-
-def _config_key(config: T5Config) -> tuple:
-    return tuple(sorted(config.to_dict().items()))
 
 
 @lru_cache(maxsize=None)
@@ -750,7 +746,7 @@ def estimate_memory(config: T5Config, layout: Layout, shapes: Shapes, pp_rank: i
     "adamw" or "adafactor"."""
     if layout.pp > 1 and len(layout.pp_layers) < layout.pp:
         raise ConfigError("the memory model needs the pipeline split (Layout.pp_layers) when pp > 1")
-    st = _states(_config_key(config), layout.tp, layout.dp, layout.zero_stage, layout.pp, tuple(layout.pp_layers),
+    st = _states(config_key(config), layout.tp, layout.dp, layout.zero_stage, layout.pp, tuple(layout.pp_layers),
                  pp_rank, layout.bucket_bytes, layout.vocab_over_dp, optimizer)
     r = _run(config, layout, shapes)
     specs, local = _specs(config, layout, pp_rank)
@@ -796,19 +792,20 @@ def _pipeline_moments(config: T5Config, layout: Layout, shapes: Shapes, r: _Run,
                 named = [(n, m) for n, m in found.items() if (n == "forward end") == (kind == "F")]
                 if named:
                     own[k, kind, accumulated] = max(named, key=lambda item: sum(item[1].values()))
-    counts = [0] * len(stages)
+    own_totals = {key: sum(m.values()) for key, (_, m) in own.items()}
+    in_flight, held = 0, 0  # bytes and number of the micro-batches in flight on this rank's stages
     backward_done = False
     best = (-1, None)
     for kind, k in pipeline_schedule(layout, M, pp_rank, len(stages)):
         if kind == "F":
-            counts[k] += 1
-        if (k, kind, backward_done) in own:
-            others = sum(n * size for n, size in zip(counts, chunk)) - chunk[k]  # the other micro-batches in flight
-            total = sum(own[k, kind, backward_done][1].values()) + others
+            in_flight, held = in_flight + chunk[k], held + 1
+        if (k, kind, backward_done) in own_totals:
+            others = in_flight - chunk[k]  # the other micro-batches in flight
+            total = own_totals[k, kind, backward_done] + others
             if total > best[0]:
-                best = (total, (k, kind, backward_done, others, sum(counts)))
+                best = (total, (k, kind, backward_done, others, held))
         if kind == "B":
-            counts[k] -= 1
+            in_flight, held = in_flight - chunk[k], held - 1
             backward_done = True
     moments = {}
     if best[1] is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -228,19 +229,75 @@ def _stack_size(config: T5Config, attr: str) -> int:
     return config.num_layers if attr == "encoder" else config.num_decoder_layers
 
 
-def part_parameter_names(config: T5Config, specs: list[StageSpec]) -> list[str]:
+def config_key(config: T5Config) -> tuple:
+    """A hashable stand-in for a config (T5Config is a mutable dataclass), for caches of what it determines."""
+    return tuple(sorted(config.to_dict().items()))
+
+
+@lru_cache(maxsize=16)
+def _model_parameters(key: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with torch.device("meta"):
-        part = prune_to_stages(T5ForConditionalGeneration(config), specs)
-    return [name for name, _ in part.named_parameters()]
+        model = T5ForConditionalGeneration(T5Config(**dict(key)))
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def _kept_by_part(config: T5Config, specs: list[StageSpec]) -> Callable[[str], bool]:
+    """Whether `prune_to_stages(model, specs)` keeps the parameter of a name (its rules, read by name; the
+    pruned part keeps the whole model's names)."""
+    owned = {attr: {i for s in specs for i in getattr(s, attr)} for attr in ("encoder", "decoder")}
+    shares_bias = not config.relative_bias_per_layer
+    embeds = any(s.start == 0 or (s.decoder and s.decoder.start == 0) for s in specs)
+    projects = any(s.is_last for s in specs)
+
+    def keep(name: str) -> bool:
+        root, _, rest = name.partition(".")
+        if root in owned:
+            mine = owned[root]
+            if not mine:
+                return False
+            if rest.startswith("block."):
+                index = int(rest.split(".")[1])
+                return index in mine or (shares_bias and index == 0 and "relative_attention_bias" in rest)
+            return max(mine) == _stack_size(config, root) - 1  # the stack's final norm
+        if root == "lm_head":
+            return projects
+        if root == "shared":
+            return embeds or (projects and config.tie_word_embeddings)
+        return True
+
+    return keep
+
+
+def part_parameters(config: T5Config, specs: list[StageSpec]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the part that holds stages `specs`, in registration order, as
+    prune_to_stages leaves them: filtered from the whole model's list, built once per config. Building a
+    pruned meta model per part (~0.1 s for an xxl) made ranking a thousand pipelined layouts take minutes."""
+    return list(_part_parameters(config_key(config), tuple(specs)))
+
+
+@lru_cache(maxsize=1024)
+def _part_parameters(key: tuple, specs: tuple[StageSpec, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    keep = _kept_by_part(T5Config(**dict(key)), list(specs))
+    return tuple((name, shape) for name, shape in _model_parameters(key) if keep(name))
+
+
+def part_parameter_names(config: T5Config, specs: list[StageSpec]) -> list[str]:
+    return [name for name, _ in part_parameters(config, specs)]
 
 
 def parameter_holders(config: T5Config, specs: list[StageSpec], pp: int) -> dict[str, tuple[int, ...]]:
     """{parameter name: the pipeline ranks whose part holds it}; more than one rank: copies (TiedParameters)."""
+    return dict(_parameter_holders(config_key(config), tuple(specs), pp))
+
+
+@lru_cache(maxsize=256)
+def _parameter_holders(key: tuple, specs: tuple[StageSpec, ...], pp: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    config = T5Config(**dict(key))
     holders: dict[str, tuple[int, ...]] = {}
     for rank in range(pp):
-        for name in part_parameter_names(config, rank_stages(specs, pp, rank)):
+        for name in part_parameter_names(config, rank_stages(list(specs), pp, rank)):
             holders[name] = holders.get(name, ()) + (rank,)
-    return holders
+    return tuple(holders.items())
 
 
 # -- one stage ---------------------------------------------------------------------------------------------
