@@ -112,12 +112,15 @@ def cmd_corpus(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from t5forge.data.tokenizer import train_tokenizer
+    from t5forge.data.tokenizer import TRAINING_JSON, group_inputs, train_tokenizer, training_summary
 
-    tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
-                                character_coverage=args.character_coverage, seed=args.seed)
+    size = {} if args.input_sentence_size is None else {"input_sentence_size": args.input_sentence_size}
+    tokenizer = train_tokenizer(group_inputs(args.input), args.vocab_size, args.output,
+                                character_coverage=args.character_coverage, seed=args.seed,
+                                temperature=args.temperature, **size)
     print(f"wrote {args.output}: {tokenizer.vocab_size} ids ({args.vocab_size} pieces + "
           f"{len(tokenizer.sentinel_ids)} sentinels); a model needs vocab_size >= {tokenizer.vocab_size}")
+    print("\n".join(training_summary(args.output)) + f"\n(in {args.output}/{TRAINING_JSON})")
     return 0
 
 
@@ -126,22 +129,36 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         BarColumn,
         DownloadColumn,
         Progress,
+        TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
-    from t5forge.data.preprocess import preprocess
+    from t5forge.data.preprocess import merge_datasets, preprocess
+    from t5forge.errors import ConfigError
 
+    if args.merge:
+        if args.input:
+            raise ConfigError("give either --input (text to tokenize) or --merge (datasets to join), not both")
+        info = merge_datasets(args.merge, args.output)
+        print(f"wrote {args.output}.bin/.idx/.json: {len(args.merge)} datasets joined, {info['documents']} documents, "
+              f"{info['tokens']} tokens")
+        return 0
+    if not args.input or not args.tokenizer:
+        raise ConfigError("preprocess needs --input FILE... and --tokenizer DIR (or --merge PREFIX... to join "
+                          "datasets)")
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), disable=not sys.stderr.isatty(),
-                  console=None) as bar:
-        task = bar.add_task("tokenizing", total=None)
+                  TransferSpeedColumn(), TextColumn("{task.fields[documents]:,} documents"), TimeRemainingColumn(),
+                  disable=not sys.stderr.isatty(), console=None) as bar:
+        task = bar.add_task("tokenizing", total=None, documents=0)
         stats = preprocess(args.input, args.tokenizer, args.output, workers=args.workers,
-                           json_key=args.json_key, skip_bad_lines=args.skip_bad_lines,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           json_key=args.json_key, skip_bad_lines=args.skip_bad_lines, shard_size=args.shard_size,
+                           progress=lambda done, total, documents: bar.update(task, completed=done, total=total,
+                                                                              documents=documents))
     skipped = f", skipped {stats.skipped_lines} bad lines" if stats.skipped_lines else ""
-    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens{skipped}; "
-          f"{stats.mb_per_s:.2f} MB/s, {stats.tokens_per_s:,.0f} tokens/s with {args.workers} worker(s)")
+    resumed = f"; resumed after {stats.resumed_shards} of {stats.shards} shards" if stats.resumed_shards else ""
+    print(f"wrote {args.output}.bin/.idx/.json: {stats.documents} documents, {stats.tokens} tokens{skipped}; "
+          f"{stats.mb_per_s:.2f} MB/s, {stats.tokens_per_s:,.0f} tokens/s with {args.workers} worker(s){resumed}")
     return 0
 
 
@@ -418,26 +435,41 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer = sub.add_parser("tokenizer", help="train a T5 SentencePiece tokenizer")
     tokenizer_sub = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
     train = tokenizer_sub.add_parser("train", help="unigram SentencePiece with T5's pad/eos/unk ids and 100 sentinels")
-    train.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    train.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE",
+                       help="text files, one sentence a line; tag each with its language (en=en.txt de=de.txt) to "
+                            "sample the languages by --temperature and see each one's character coverage")
     train.add_argument("--vocab-size", type=int, required=True,
                        help="SentencePiece pieces; the 100 sentinels come on top (T5: 32000 -> 32100 ids)")
     train.add_argument("--output", required=True, metavar="DIR")
     train.add_argument("--character-coverage", type=float, default=1.0,
                        help="1.0 for small alphabets; 0.9995 for many scripts (mT5-style corpora)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--input-sentence-size", type=int, metavar="N",
+                       help="sentences sampled from the inputs to train on (default 2,000,000; memory grows with N, "
+                            "not with the corpus)")
+    train.add_argument("--temperature", type=float, metavar="ALPHA",
+                       help="tagged inputs: a language's share of the sample is proportional to its sentences ** "
+                            "ALPHA (mT5: 0.3; default 1, in proportion to the text; 0: all alike)")
     train.set_defaults(func=cmd_tokenizer_train)
 
     pre = sub.add_parser("preprocess", help="tokenize text into a Megatron-compatible indexed dataset",
-                         description="Plain text (a blank line separates documents) or JSON lines "
-                                     "(.jsonl/.json, text under --json-key), optionally .gz. Writes "
-                                     "PREFIX.bin and PREFIX.idx, one sequence per document ending in eos.")
-    pre.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    pre.add_argument("--tokenizer", required=True, metavar="DIR")
+                         description="Plain text (a blank line separates documents), JSON lines (.jsonl/.json, "
+                                     "text under --json-key), either optionally .gz or .zst, or parquet (the "
+                                     "--json-key column), read as streams. Writes PREFIX.bin and PREFIX.idx, one "
+                                     "sequence per document ending in eos, and PREFIX.json (tokenizer fingerprint, "
+                                     "counts). Work goes in shards (PREFIX.shards/): a run started again resumes "
+                                     "at the first unfinished one. --merge joins existing datasets instead.")
+    pre.add_argument("--input", nargs="+", metavar="PATH_OR_GLOB", help="files, or globs such as 'data/**/*.jsonl.zst'")
+    pre.add_argument("--merge", nargs="+", metavar="PREFIX",
+                     help="join these datasets, in order, into --output (Megatron's merge_datasets)")
+    pre.add_argument("--tokenizer", metavar="DIR")
     pre.add_argument("--output", required=True, metavar="PREFIX")
-    pre.add_argument("--workers", type=int, default=1)
-    pre.add_argument("--json-key", default="text")
+    pre.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    pre.add_argument("--json-key", default="text", help="the text's key in JSON lines, or its parquet column")
+    pre.add_argument("--shard-size", default="1GB", metavar="SIZE",
+                     help="text per shard, the unit of resuming (default 1GB; each input file starts a shard)")
     pre.add_argument("--skip-bad-lines", action="store_true",
-                     help="skip lines that are not UTF-8 (or not JSON records) and count them")
+                     help="skip lines that are not UTF-8 (or not JSON records, or null rows) and count them")
     pre.set_defaults(func=cmd_preprocess)
 
     def run_command(name: str, func, help: str, description: str, nproc_help: str) -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ Batch-size arithmetic lives here and nowhere else (`batch_arithmetic`)."""
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -35,6 +36,33 @@ DATA_TASKS = ("span_corruption", "text_to_text")
 
 
 @dataclass
+class MixtureEntry:
+    """One dataset of data.mixture: its prefix and either its weight or its language."""
+
+    dataset: str | None = None  # indexed dataset prefix (PREFIX.bin / PREFIX.idx)
+    weight: float | None = None  # relative sampling weight, >= 0 (the weights need not add up to 1)
+    # a language code (e.g. de): languages are weighted by their training tokens ** data.mixture_temperature
+    language: str | None = None
+
+
+TASK_MIXING = ("examples_proportional", "weights")
+
+
+@dataclass
+class TaskEntry:
+    """One task of data.tasks (text_to_text): its JSONL files and fields, prefix, sampling weight and metric."""
+
+    name: str | None = None  # names the task in metrics.jsonl (valid_NAME/METRIC), predictions, best_metric
+    train_file: str | None = None
+    valid_file: str | None = None  # None: data.split of train_file's lines
+    input_field: str = "input"
+    target_field: str = "target"
+    task_prefix: str = ""
+    weight: float | None = None  # data.task_mixing=weights: relative sampling rate, >= 0
+    metric: str = "exact_match"  # this task's score in the mean over tasks (valid_mean)
+
+
+@dataclass
 class DataConfig:
     task: str = "span_corruption"  # span_corruption (pretraining, `dataset`) | text_to_text (`t5forge finetune`)
     dataset: str | None = None  # span_corruption: indexed dataset prefix (PREFIX.bin / PREFIX.idx)
@@ -56,6 +84,20 @@ class DataConfig:
     mean_noise_span_length: float = 3.0
     split: list[float] = field(default_factory=lambda: [0.98, 0.01, 0.01])  # train, valid, test documents
     num_workers: int = 2
+    # span_corruption: several indexed datasets instead of `dataset`, each split train/valid/test on its own and
+    # sampled in fixed proportions (Megatron's blend): [{dataset: PREFIX, weight: w}, ...], or
+    # [{dataset: PREFIX, language: xx}, ...] weighted by tokens ** mixture_temperature
+    mixture: list[MixtureEntry] | None = None
+    # language entries only: mT5's alpha, P(language) proportional to its training tokens ** alpha (mT5: 0.3;
+    # 1: in proportion to tokens; 0: uniform)
+    mixture_temperature: float | None = None
+    # text_to_text: several tasks instead of train_file & co, [{name, train_file, valid_file?, input_field?,
+    # target_field?, task_prefix?, weight?, metric?}, ...], mixed in fixed rates and evaluated one by one
+    tasks: list[TaskEntry] | None = None
+    # examples_proportional: rate of a task proportional to min(its training examples, task_mixing_cap) (T5's
+    # examples-proportional mixing with its K); weights: proportional to each task's weight
+    task_mixing: str = "examples_proportional"
+    task_mixing_cap: int | None = None  # examples_proportional: None, no cap
 
 
 MIN_INPUTS_LENGTH = 8  # span corruption needs room for a noise span, its sentinel and eos
@@ -107,7 +149,10 @@ class FinetuneConfig:
     """Evaluation by generation (text_to_text): every train.eval_period steps and at the end, the first
     train.eval_samples validation examples are generated and scored; the best model is kept in RUN_DIR/best."""
 
-    best_metric: str = "exact_match"  # exact_match | token_f1 | rouge_l | bleu: decides RUN_DIR/best
+    # decides RUN_DIR/best: exact_match | token_f1 | rouge_l | bleu; with data.tasks also mean (each task's metric,
+    # averaged), a task name (its metric), NAME/METRIC, or a metric (averaged over the tasks). None: exact_match,
+    # or mean with data.tasks
+    best_metric: str | None = None
     num_beams: int = 1
     max_new_tokens: int | None = None  # None: data.targets_length
     eval_batch_size: int = 32
@@ -176,7 +221,6 @@ _CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.backend": BACKENDS,
     "data.task": DATA_TASKS,
-    "finetune.best_metric": TASK_METRICS,
 }
 
 
@@ -266,6 +310,103 @@ def batch_arithmetic(global_batch_size: int | None, micro_batch_size: int, dp: i
     return global_batch_size, global_batch_size // per_step
 
 
+def check_mixture(entries: list[MixtureEntry], temperature: float | None) -> None:
+    """data.mixture: every entry a dataset with either a weight or a language (all entries alike), weights >= 0
+    and not all zero, and data.mixture_temperature set exactly when the entries give languages."""
+    if not entries:
+        raise ConfigError("data.mixture is empty; list at least one {dataset: PREFIX, weight: w}")
+    for i, entry in enumerate(entries):
+        if not entry.dataset:
+            raise ConfigError(f"data.mixture[{i}] has no dataset; give each entry `dataset: PREFIX`")
+        if (entry.weight is None) == (entry.language is None):
+            raise ConfigError(f"data.mixture[{i}] ({entry.dataset}) needs exactly one of `weight` (a number >= 0) "
+                              "and `language` (a code, weighted by tokens ** data.mixture_temperature)")
+        if entry.weight is not None and not (entry.weight >= 0 and math.isfinite(entry.weight)):
+            raise ConfigError(f"data.mixture[{i}] ({entry.dataset}) has weight {entry.weight}; weights must be "
+                              "finite numbers >= 0")
+    by_language = [entry.language is not None for entry in entries]
+    if any(by_language) and not all(by_language):
+        raise ConfigError("data.mixture mixes entries with a weight and entries with a language; give every entry a "
+                          "weight, or every entry a language")
+    if all(by_language):
+        if temperature is None or not (temperature >= 0 and math.isfinite(temperature)):
+            raise ConfigError(f"data.mixture gives languages, weighted by tokens ** data.mixture_temperature, which "
+                              f"is {temperature}: set it to a number >= 0 (mT5 used 0.3; 1 samples in proportion "
+                              "to tokens)")
+    else:
+        if temperature is not None:
+            raise ConfigError("data.mixture_temperature weights language entries, but data.mixture gives weights, "
+                              "which are used as they are: remove data.mixture_temperature")
+        if sum(entry.weight for entry in entries) <= 0:
+            raise ConfigError("data.mixture weights are all zero; give at least one dataset a positive weight")
+
+
+def check_tasks(d: DataConfig) -> None:
+    """data.tasks (text_to_text): named tasks, each with its train_file and a known metric, the single-task keys
+    left unset, and data.task_mixing's inputs (weights, cap) given exactly when it uses them."""
+    if d.tasks is None:
+        if d.task_mixing != "examples_proportional" or d.task_mixing_cap is not None:
+            raise ConfigError("data.task_mixing and data.task_mixing_cap mix the tasks of data.tasks, which is not "
+                              "set: give data.tasks or remove them")
+        return
+    if not d.tasks:
+        raise ConfigError("data.tasks is empty; list at least one {name: NAME, train_file: FILE}")
+    single = {"train_file": None, "valid_file": None, "input_field": "input", "target_field": "target",
+              "task_prefix": ""}
+    for key, default in single.items():
+        if getattr(d, key) != default:
+            raise ConfigError(f"data.{key} is for one task; with data.tasks give each task its own {key} "
+                              f"(data.tasks[i].{key}) and remove data.{key}")
+    if d.task_mixing not in TASK_MIXING:
+        raise ConfigError(f"data.task_mixing={d.task_mixing!r} is not one of {', '.join(TASK_MIXING)}")
+    names = set()
+    for i, task in enumerate(d.tasks):
+        where = f"data.tasks[{i}]" + (f" ({task.name})" if task.name else "")
+        if not task.name or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", task.name):
+            raise ConfigError(f"{where} needs a name of letters, digits, _ . - (it names the task's metrics)")
+        if task.name in names or task.name in ("mean", *TASK_METRICS):
+            raise ConfigError(f"{where}: the name {task.name!r} is " + ("taken by another task" if task.name in names
+                              else "a metric's name") + "; give each task a name of its own")
+        names.add(task.name)
+        if not task.train_file:
+            raise ConfigError(f"{where} needs train_file (a JSONL file of input/target lines)")
+        if task.metric not in TASK_METRICS:
+            raise ConfigError(f"{where}: metric={task.metric!r} is not one of {', '.join(TASK_METRICS)}")
+        weighed = task.weight is not None and task.weight >= 0 and math.isfinite(task.weight)
+        if d.task_mixing == "weights" and not weighed:
+            raise ConfigError(f"{where}: data.task_mixing=weights needs a weight >= 0 for every task, got "
+                              f"{task.weight}")
+        if d.task_mixing == "examples_proportional" and task.weight is not None:
+            raise ConfigError(f"{where} has a weight, which data.task_mixing=examples_proportional does not use: set "
+                              "data.task_mixing=weights, or remove the weights")
+    if d.task_mixing == "weights":
+        if sum(task.weight for task in d.tasks) <= 0:
+            raise ConfigError("data.tasks weights are all zero; give at least one task a positive weight")
+        if d.task_mixing_cap is not None:
+            raise ConfigError("data.task_mixing_cap caps examples-proportional mixing, but data.task_mixing=weights: "
+                              "remove data.task_mixing_cap")
+    elif d.task_mixing_cap is not None and d.task_mixing_cap < 1:
+        raise ConfigError(f"data.task_mixing_cap must be >= 1 examples (T5 used 2**19 and smaller), got "
+                          f"{d.task_mixing_cap}")
+
+
+def check_best_metric(best_metric: str | None, tasks: list[TaskEntry] | None) -> None:
+    """finetune.best_metric: a metric; with data.tasks also mean, a task's name or NAME/METRIC."""
+    if best_metric is None:
+        return
+    if not tasks:
+        if best_metric not in TASK_METRICS:
+            raise ConfigError(f"finetune.best_metric={best_metric!r} is not one of {', '.join(TASK_METRICS)}")
+        return
+    names = [task.name for task in tasks]
+    name, _, metric = best_metric.partition("/")
+    if best_metric in ("mean", *TASK_METRICS, *names) or (name in names and metric in TASK_METRICS):
+        return
+    raise ConfigError(f"finetune.best_metric={best_metric!r} is none of mean (each task's metric, averaged), a "
+                      f"task ({', '.join(names)}), TASK/METRIC, or a metric averaged over the tasks "
+                      f"({', '.join(TASK_METRICS)})")
+
+
 def check_config(run: RunConfig) -> None:
     """Consistency checks that need no files: one message per problem, naming the key to change."""
     for key, choices in _CHOICES.items():
@@ -312,16 +453,26 @@ def check_config(run: RunConfig) -> None:
     if len(d.split) != 3:
         raise ConfigError(f"data.split must be three numbers (train, valid, test), got {d.split}")
     if d.task == "span_corruption":
-        if d.dataset is None:
-            raise ConfigError("data.dataset must be set (an indexed dataset prefix from `t5forge preprocess`)")
+        if (d.dataset is None) == (d.mixture is None):
+            raise ConfigError("set exactly one of data.dataset (an indexed dataset prefix from `t5forge preprocess`) "
+                              "and data.mixture (a list of {dataset: PREFIX, weight: w} or {dataset: PREFIX, "
+                              "language: xx})")
+        if d.mixture is not None:
+            check_mixture(d.mixture, d.mixture_temperature)
         if d.inputs_length < MIN_INPUTS_LENGTH:
             raise ConfigError(f"data.inputs_length={d.inputs_length} is too short for span corruption; use at least "
                               f"{MIN_INPUTS_LENGTH} (512 is usual for T5)")
         if d.packing:
             raise ConfigError("data.packing is for data.task=text_to_text; span corruption fills every row already")
+        if d.tasks is not None:
+            raise ConfigError("data.tasks is for data.task=text_to_text (`t5forge finetune`); remove it")
     else:
-        if d.train_file is None:
+        check_tasks(d)
+        if d.tasks is None and d.train_file is None:
             raise ConfigError("data.task=text_to_text needs data.train_file (a JSONL file of input/target lines)")
+        if d.mixture is not None:
+            raise ConfigError("data.mixture is for span-corruption pretraining; a text_to_text task reads "
+                              "data.train_file: remove data.mixture")
         if d.packing and run.parallel.pp > 1:
             raise ConfigError("data.packing is not built for pipeline parallelism (its stages pass padding masks "
                               "only): set data.packing=false or parallel.pp=1")
@@ -332,3 +483,4 @@ def check_config(run: RunConfig) -> None:
     f = run.finetune
     if f.num_beams < 1 or f.eval_batch_size < 1 or (f.max_new_tokens is not None and f.max_new_tokens < 1):
         raise ConfigError("finetune.num_beams, eval_batch_size and max_new_tokens must be >= 1")
+    check_best_metric(f.best_metric, d.tasks if d.task == "text_to_text" else None)

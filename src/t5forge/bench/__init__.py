@@ -36,7 +36,7 @@ def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no c
 
 
 SUITES = {
-    "data": (_data, "preprocessing, loader, loader vs training step"),
+    "data": (_data, "preprocessing against the tokenizer's raw speed (1 and 2 workers, a >= 2 GB input's peak memory), the mixture blend index, loader, loader vs training step"),
     "distributed": (_distributed, "per-rank memory of parallel layouts, exposed gradient communication with and "
                     "without overlap, per-rank memory of loading an mT5-XL-shaped checkpoint"),
     "comm": (_comm, "communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes"),

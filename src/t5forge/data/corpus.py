@@ -116,3 +116,111 @@ def write_docstring_task(output: str | os.PathLike, target: str) -> tuple[int, i
     text = "".join(json.dumps(pair) + "\n" for pair in pairs)
     write_text_atomic(output, text)
     return len(pairs), len(text.encode("utf-8"))
+
+
+# A multilingual demo corpus from the message catalogues (gettext .mo files) of packages every Debian system
+# has (Essential: yes), so the demo needs no download either. Each language's text is the translations of the
+# packages' messages; English is their original messages (the msgids). The text is not part of t5forge: it is
+# read from the machine, and what is written keeps the licence of the package it came from, as
+# /usr/share/doc/PACKAGE/copyright states it (their translations are "distributed under the same license as
+# the PACKAGE package").
+MESSAGE_CATALOGS = {  # gettext domain: (Debian package, licence)
+    "coreutils": ("coreutils", "GPL-3+"), "bash": ("bash", "GPL-3+"), "dpkg": ("dpkg", "GPL-2+"),
+    "tar": ("tar", "GPL-3+"), "grep": ("grep", "GPL-3+"), "sed": ("sed", "GPL-3+"),
+    "diffutils": ("diffutils", "GPL-3+"),
+}
+DEMO_LANGUAGES = ("en", "de", "fr", "es", "ru", "ja", "zh_CN")
+LOCALE_DIR = Path("/usr/share/locale")
+# English is the msgids of these languages' catalogues (the same messages, whichever are installed).
+_ENGLISH_FROM = ("de", "fr", "es", "ru", "ja")
+_MO_MAGIC = 0x950412DE
+
+
+def read_mo(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(msgid, msgstr) of a compiled gettext catalogue, the header entry left out, decoded with the
+    catalogue's charset. Plural forms and contexts stay as gettext stores them (NUL- and EOT-separated)."""
+    import struct
+
+    data = Path(path).read_bytes()
+    for order in ("<", ">"):
+        if len(data) >= 20 and struct.unpack(order + "I", data[:4])[0] == _MO_MAGIC:
+            break
+    else:
+        raise T5ForgeError(f"{path} is not a gettext .mo catalogue")
+    count, originals, translations = struct.unpack(order + "3I", data[8:20])
+    raw = []
+    for i in range(count):
+        (olen, ooff), (tlen, toff) = (struct.unpack(order + "2I", data[table + 8 * i:table + 8 * i + 8])
+                                      for table in (originals, translations))
+        raw.append((data[ooff:ooff + olen], data[toff:toff + tlen]))
+    header = next((msgstr for msgid, msgstr in raw if msgid == b""), b"").decode("ascii", "replace")
+    charset = re.search(r"charset=([\w.-]+)", header)
+    encoding = charset.group(1) if charset and charset.group(1).upper() != "CHARSET" else "utf-8"
+    return [(msgid.decode(encoding, "replace"), msgstr.decode(encoding, "replace"))
+            for msgid, msgstr in raw if msgid]
+
+
+def _catalogue(locale_dir: Path, language: str, domain: str) -> Path | None:
+    path = locale_dir / language / "LC_MESSAGES" / f"{domain}.mo"
+    return path if path.is_file() else None
+
+
+def _messages(language: str, locale_dir: Path) -> tuple[list[str], list[Path]]:
+    """The distinct texts of `language` (msgstrs; for en the msgids), in a fixed order, and the files read."""
+    seen, texts, files = set(), [], []
+    for domain in MESSAGE_CATALOGS:
+        for source in (_ENGLISH_FROM if language == "en" else (language,)):
+            path = _catalogue(locale_dir, source, domain)
+            if path is None:
+                continue
+            files.append(path)
+            for msgid, msgstr in sorted(read_mo(path)):
+                text = msgid.split("\x04")[-1] if language == "en" else msgstr  # without its context
+                for form in text.split("\x00"):  # singular and plural forms
+                    form = _clean(form)
+                    if form and form not in seen:
+                        seen.add(form)
+                        texts.append(form)
+    return texts, files
+
+
+def write_multilingual_corpus(output_dir: str | os.PathLike, languages: tuple[str, ...] = DEMO_LANGUAGES,
+                              max_bytes: int = 256 * 1024, document_bytes: int = 1024,
+                              locale_dir: str | os.PathLike = LOCALE_DIR) -> dict[str, tuple[int, int]]:
+    """Write OUTPUT_DIR/LANGUAGE.txt for each language with installed catalogues (documents of consecutive
+    messages, each of about `document_bytes` of UTF-8, a blank line between them, up to about `max_bytes`
+    per language) and OUTPUT_DIR/SOURCES.txt, the files read with their packages and licences. The same
+    installed files give the same bytes. Returns {language: (documents, bytes)}; a language without
+    catalogues is left out."""
+    output_dir, locale_dir = Path(output_dir), Path(locale_dir)
+    written, sources = {}, []
+    for language in languages:
+        texts, files = _messages(language, locale_dir)
+        documents, document, document_size, size = [], [], 0, 0
+        for message in texts:
+            if size >= max_bytes:
+                break
+            document.append(message)
+            document_size += len(message.encode("utf-8")) + 1
+            if document_size >= document_bytes:
+                documents.append("\n".join(document))
+                size += document_size + 1
+                document, document_size = [], 0
+        if document and size < max_bytes:
+            documents.append("\n".join(document))
+        if not documents:
+            continue
+        text = "\n\n".join(documents) + "\n"
+        write_text_atomic(output_dir / f"{language}.txt", text)
+        written[language] = (len(documents), len(text.encode("utf-8")))
+        for path in files:
+            package, licence = MESSAGE_CATALOGS[path.stem]
+            sources.append(f"{language}.txt  {path}  Debian package {package}, {licence} "
+                           f"(/usr/share/doc/{package}/copyright)")
+    if not written:
+        raise T5ForgeError(f"found no message catalogues of {', '.join(MESSAGE_CATALOGS)} for "
+                           f"{', '.join(languages)} under {locale_dir}; install the packages' translations "
+                           "(Docker images often strip /usr/share/locale)")
+    write_text_atomic(output_dir / "SOURCES.txt", "Text read from gettext catalogues; each file keeps the licence "
+                      "of its package.\n" + "\n".join(sources) + "\n")
+    return written

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,36 @@ def write_index(path: str | os.PathLike, dtype: np.dtype, lengths: np.ndarray, d
         f.write(lengths.tobytes(order="C"))
         f.write(pointers.tobytes(order="C"))
         f.write(np.asarray(document_starts, dtype=np.int64).tobytes(order="C"))
+
+
+def write_concatenated(path: str | os.PathLike, prefixes: list[str | os.PathLike]) -> tuple[int, int]:
+    """Write the `.idx` of the datasets at `prefixes` (one dtype) joined in order, as Megatron's
+    merge_datasets does: sequences back to back, each part's document indices shifted by the sequences before
+    it. Opens one part at a time, so memory holds one part's index, whatever the total; (documents, tokens)."""
+    def parts() -> Iterator[IndexedDataset]:
+        for prefix in prefixes:
+            yield IndexedDataset(prefix)
+
+    sizes = [(d.dtype, len(d), d.num_documents, d.num_tokens) for d in parts()]
+    dtype = sizes[0][0]
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", CODE_OF_DTYPE[dtype]))
+        f.write(struct.pack("<Q", sum(s[1] for s in sizes)))
+        f.write(struct.pack("<Q", 1 + sum(s[2] for s in sizes)))
+        for d in parts():
+            f.write(np.asarray(d.lengths, dtype=np.int32).tobytes(order="C"))
+        base = 0
+        for d in parts():
+            f.write((np.asarray(d.pointers, dtype=np.int64) + base).tobytes(order="C"))
+            base += d.num_tokens * dtype.itemsize
+        f.write(struct.pack("<q", 0))
+        sequences = 0
+        for d in parts():
+            f.write((np.asarray(d.document_starts[1:], dtype=np.int64) + sequences).tobytes(order="C"))
+            sequences += len(d)
+    return sum(s[2] for s in sizes), sum(s[3] for s in sizes)
 
 
 class IndexedDataset:

@@ -10,9 +10,11 @@ batches is the same for every data-parallel size and resuming is just starting a
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -70,8 +72,8 @@ class SpanCorruptionDataset(Dataset):
         last_seq = int(indexed.document_starts[documents[1]])
         # Documents of a split are consecutive sequences, stored back to back: one token range.
         self.token_begin = int(indexed.offsets[first_seq])
-        token_end = int(indexed.offsets[last_seq])
-        self.num_chunks = (token_end - self.token_begin) // corruption.tokens_length
+        self.num_tokens = int(indexed.offsets[last_seq]) - self.token_begin  # raw tokens of the split
+        self.num_chunks = self.num_tokens // corruption.tokens_length
         self.split = split
         self._chunk_of = EpochOrder(self.num_chunks, seed, self.split_id)
 
@@ -91,13 +93,73 @@ class SpanCorruptionDataset(Dataset):
 
 @dataclass
 class PretrainingData:
-    """The three splits of one indexed dataset, corrupted the same way."""
+    """The three splits of the pretraining data (one indexed dataset, or a mixture: data/mixture.py), corrupted
+    the same way."""
 
-    train: SpanCorruptionDataset
-    valid: SpanCorruptionDataset
-    test: SpanCorruptionDataset
+    train: Dataset
+    valid: Dataset
+    test: Dataset
     tokenizer: T5Tokenizer
     corruption: SpanCorruption
+
+
+def span_corruption_for(tokenizer: T5Tokenizer, inputs_length: int = 512, noise_density: float = 0.15,
+                        mean_noise_span_length: float = 3.0) -> SpanCorruption:
+    """T5's span corruption with this tokenizer's eos and sentinels."""
+    return SpanCorruption(
+        inputs_length=inputs_length, noise_density=noise_density, mean_noise_span_length=mean_noise_span_length,
+        eos_id=tokenizer.eos_id,
+        sentinel_ids=tuple(tokenizer.sentinel_id(i) for i in range(len(tokenizer.sentinel_ids))),
+    )
+
+
+def split_span_corruption(indexed: IndexedDataset, corruption: SpanCorruption,
+                          split: tuple[float, float, float], seed: int) -> dict[str, SpanCorruptionDataset]:
+    """{"train", "valid", "test"}: the dataset's documents split by `split`, each a span-corruption dataset;
+    refused when the train split holds less than one sample."""
+    ranges = split_documents(indexed.num_documents, split)
+    datasets = {name: SpanCorruptionDataset(indexed, corruption, docs, seed, name)
+                for name, docs in zip(SPLITS, ranges)}
+    if len(datasets["train"]) == 0:
+        raise DatasetError(
+            f"{indexed.prefix} is too small: its train split has {datasets['train'].num_tokens} tokens, and one "
+            f"sample needs {corruption.tokens_length} raw tokens (inputs_length {corruption.inputs_length}); use "
+            "more text or a shorter inputs_length")
+    return datasets
+
+
+def sidecar_vocab_size(prefix: str | os.PathLike) -> int | None:
+    """The tokenizer vocabulary size that `PREFIX.json` (written beside the data by `t5forge preprocess`)
+    records, or None when there is no such file or it does not say."""
+    path = Path(f"{prefix}.json")
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{path} is not readable JSON ({e}); rebuild the dataset with `t5forge preprocess` or "
+                           "remove the file") from None
+    for record in (info, info.get("tokenizer") if isinstance(info, dict) else None):
+        if isinstance(record, dict) and isinstance(record.get("vocab_size"), int):
+            return record["vocab_size"]
+    return None
+
+
+def check_tokenizer(indexed: IndexedDataset, tokenizer: T5Tokenizer) -> None:
+    """Refuse a dataset built with another tokenizer, as far as the data tells: a token dtype too narrow for
+    this tokenizer's ids (Megatron's rule, and ours: uint16 below 65500 ids, int32 above), a different
+    vocabulary size in `PREFIX.json`, or a token id beyond the vocabulary (a pass over the .bin, skipped when
+    PREFIX.json records this vocabulary size: its ids are below it)."""
+    rebuild = f"rebuild it with `t5forge preprocess --tokenizer {tokenizer.path}` or train with its own tokenizer"
+    if np.issubdtype(indexed.dtype, np.integer) and tokenizer.vocab_size > int(np.iinfo(indexed.dtype).max) + 1:
+        raise DatasetError(f"{indexed.prefix} stores token ids as {indexed.dtype}, too narrow for the tokenizer's "
+                           f"{tokenizer.vocab_size} ids: it was built with a smaller tokenizer; {rebuild}")
+    recorded = sidecar_vocab_size(indexed.prefix)
+    if recorded is not None and recorded != tokenizer.vocab_size:
+        raise DatasetError(f"{indexed.prefix} was built with a tokenizer of {recorded} ids ({indexed.prefix}.json), "
+                           f"not this one ({tokenizer.vocab_size} ids); {rebuild}")
+    if recorded is None:
+        indexed.check_token_ids(tokenizer.vocab_size)
 
 
 def build_pretraining_data(
@@ -107,20 +169,9 @@ def build_pretraining_data(
 ) -> PretrainingData:
     tokenizer = T5Tokenizer(tokenizer_dir)
     indexed = IndexedDataset(dataset_prefix)
-    indexed.check_token_ids(tokenizer.vocab_size)
-    corruption = SpanCorruption(
-        inputs_length=inputs_length, noise_density=noise_density, mean_noise_span_length=mean_noise_span_length,
-        eos_id=tokenizer.eos_id,
-        sentinel_ids=tuple(tokenizer.sentinel_id(i) for i in range(len(tokenizer.sentinel_ids))),
-    )
-    ranges = split_documents(indexed.num_documents, split)
-    datasets = {name: SpanCorruptionDataset(indexed, corruption, docs, seed, name)
-                for name, docs in zip(SPLITS, ranges)}
-    if len(datasets["train"]) == 0:
-        raise DatasetError(
-            f"{dataset_prefix} is too small: its train split has {indexed.num_tokens} tokens or fewer, and one "
-            f"sample needs {corruption.tokens_length} raw tokens (inputs_length {inputs_length}); use more text "
-            "or a shorter inputs_length")
+    check_tokenizer(indexed, tokenizer)
+    corruption = span_corruption_for(tokenizer, inputs_length, noise_density, mean_noise_span_length)
+    datasets = split_span_corruption(indexed, corruption, split, seed)
     return PretrainingData(**datasets, tokenizer=tokenizer, corruption=corruption)
 
 

@@ -10,14 +10,20 @@ than data.inputs_length / data.targets_length is cut there (eos kept; counted in
 Order: the train split is shuffled anew each epoch (global sample g -> epoch g // n, as in pretraining,
 so the resumable sampler of data/loader.py serves it); the valid and test splits keep the file order, so
 an evaluation always sees the same first examples. With data.packing, a row holds as many consecutive
-examples as fit, each attending only to itself (`TextToTextDataset`)."""
+examples as fit, each attending only to itself (`TextToTextDataset`).
+
+Several tasks (data.tasks): each task is read as one task is, and the train split mixes them in fixed rates
+(`task_rates`: weights, or T5's examples-proportional mixing with a cap) by a deterministic blend
+(`GreedyBlend`, `TaskMixture`): global sample g -> (task, that task's own sample index), so a mixture resumes
+at any consumed_samples as one task does. Proportions are of rows: a packed row holds several examples."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -193,37 +199,152 @@ class TextToTextDataset(Dataset):
         return {key: array[row] for key, array in self.arrays.items()}
 
 
+def task_rates(mixing: str, weights: list[float | None], examples: list[int], cap: int | None = None) -> list[float]:
+    """Each task's share of the training samples (summing to 1): its weight over the sum of the weights
+    (`mixing` "weights"), or T5's examples-proportional mixing, min(examples, cap) over the sum of those."""
+    sizes = [float(w) for w in weights] if mixing == "weights" else \
+        [float(n if cap is None else min(n, cap)) for n in examples]
+    total = sum(sizes)
+    if not total > 0:
+        raise ConfigError(f"the tasks' sampling rates are all zero ({mixing}: {sizes}); give a task a positive "
+                          "weight, or training examples")
+    return [size / total for size in sizes]
+
+
+class GreedyBlend:
+    """Sample index -> (source, that source's own sample index), the sources drawn in fixed `rates` (summing to 1)
+    by Megatron's greedy blend: sample i goes to the source furthest behind its share, argmax_s rates[s] * (i+1) -
+    drawn[s] (the lowest s on ties), so after any n samples no source has drawn a whole sample more than
+    n * rates[s], nor (in practice; 1.12 seen over random rates of 2-11 sources) much more than one fewer, and a
+    source of rate 0 never draws. A pure function of (rates, index), so it resumes anywhere. Computed
+    in blocks of BLOCK samples on demand; only the counts at each block's start and the last block are kept.
+    (data/mixture.py blends pretraining datasets by the same rule; the two can share one implementation.)"""
+
+    BLOCK = 1 << 14
+
+    def __init__(self, rates: list[float]):
+        self.rates = [float(r) for r in rates]
+        self.starts = [[0] * len(self.rates)]  # drawn counts before each computed block
+        self.cached: tuple[int, np.ndarray, np.ndarray] | None = None  # block, its sources, their sample indices
+
+    def __call__(self, index: int) -> tuple[int, int]:
+        block, offset = divmod(index, self.BLOCK)
+        while len(self.starts) <= block:
+            self._compute(len(self.starts) - 1)
+        if self.cached is None or self.cached[0] != block:
+            self._compute(block)
+        return int(self.cached[1][offset]), int(self.cached[2][offset])
+
+    def _compute(self, block: int) -> None:
+        rates, drawn, sources = self.rates, list(self.starts[block]), range(len(self.rates))
+        source = np.empty(self.BLOCK, dtype=np.int32)
+        position = np.empty(self.BLOCK, dtype=np.int64)
+        first = block * self.BLOCK
+        for k in range(self.BLOCK):
+            i = first + k + 1
+            s = max(sources, key=lambda s: rates[s] * i - drawn[s])  # the first of equal ones
+            source[k], position[k] = s, drawn[s]
+            drawn[s] += 1
+        if block + 1 == len(self.starts):
+            self.starts.append(drawn)
+        self.cached = (block, source, position)
+
+
+class TaskMixture(Dataset):
+    """Global sample index -> a row of one task's train split: the tasks in fixed `rates` (`GreedyBlend`), each
+    task's rows in its own epochs (`TextToTextDataset`), so the mixture resumes at any index as one task does."""
+
+    split = "train"
+
+    def __init__(self, datasets: list[TextToTextDataset], rates: list[float]):
+        self.datasets, self.rates = datasets, rates
+        self.blend = GreedyBlend(rates)
+
+    def __len__(self) -> int:
+        """Rows in one epoch of every task (the mixture itself has no epochs)."""
+        return sum(len(d) for d in self.datasets)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        task, row = self.blend(index)
+        return self.datasets[task][row]
+
+
+@dataclass
+class Task:
+    """One task of a multi-task run (data.tasks): its validation examples are generated and scored on their own."""
+
+    name: str
+    metric: str  # its score in the mean over tasks
+    valid: list[Example]
+    train_examples: int
+    rate: float  # its share of the training samples
+
+
 @dataclass
 class TextToTextData:
-    """The three splits of a fine-tuning task (test is empty when valid_file is given)."""
+    """The three splits of a fine-tuning task (test is empty when valid_file is given). With data.tasks, train is
+    the tasks' mixture, valid and test take the tasks' examples in turn (one of each task, then the next), and
+    `tasks` has each task's own validation examples."""
 
-    train: TextToTextDataset
+    train: TextToTextDataset | TaskMixture
     valid: TextToTextDataset
     test: TextToTextDataset
     tokenizer: T5Tokenizer
+    tasks: list[Task] = field(default_factory=list)
 
 
-def build_text_to_text_data(data_config, seed: int = 1234, echo=print) -> TextToTextData:
-    """The splits of `data_config` (config.DataConfig with task text_to_text)."""
-    d = data_config
-    tokenizer = T5Tokenizer(d.tokenizer)
-
+def read_splits(d, tokenizer: T5Tokenizer, train_file: str, valid_file: str | None, input_field: str,
+                target_field: str, task_prefix: str, valid_key: str, echo=print) -> dict[str, list[Example]]:
+    """{"train", "valid", "test"}: the examples of `train_file` (and `valid_file`), fitted to data.inputs_length and
+    targets_length; without `valid_file`, contiguous ranges of train_file's lines in proportion to data.split.
+    `valid_key` is the config key to name when a split is empty."""
     def examples_of(path: str) -> list[Example]:
-        examples = read_examples(path, tokenizer, d.input_field, d.target_field, d.task_prefix)
+        examples = read_examples(path, tokenizer, input_field, target_field, task_prefix)
         return fit_lengths(examples, d.inputs_length, d.targets_length, d.truncate, echo)
 
-    train = examples_of(d.train_file)
-    if d.valid_file is not None:
-        splits = {"train": train, "valid": examples_of(d.valid_file), "test": []}
+    train = examples_of(train_file)
+    if valid_file is not None:
+        splits = {"train": train, "valid": examples_of(valid_file), "test": []}
     else:  # contiguous ranges of the file's lines, in proportion to data.split
         ranges = split_documents(len(train), tuple(d.split))
         splits = {name: train[begin:end] for name, (begin, end) in zip(SPLITS, ranges)}
     for name in ("train", "valid"):
         if not splits[name]:
-            raise ConfigError(f"the {name} split of {d.train_file} is empty ({len(train)} examples, data.split="
-                              f"{list(d.split)}); give data.valid_file or more examples")
-    # T5 starts decoding with its pad id (decoder_start_token_id; the trainer checks the model agrees).
-    datasets = {name: TextToTextDataset(examples, d.inputs_length, d.targets_length, tokenizer.pad_id, seed, name,
-                                        packing=d.packing, decoder_start_id=tokenizer.pad_id)
-                for name, examples in splits.items()}
-    return TextToTextData(**datasets, tokenizer=tokenizer)
+            raise ConfigError(f"the {name} split of {train_file} is empty ({len(train)} examples, data.split="
+                              f"{list(d.split)}); give {valid_key} or more examples")
+    return splits
+
+
+def build_text_to_text_data(data_config, seed: int = 1234, echo=print) -> TextToTextData:
+    """The splits of `data_config` (config.DataConfig with task text_to_text): one task, or data.tasks."""
+    d = data_config
+    tokenizer = T5Tokenizer(d.tokenizer)
+
+    def dataset(examples: list[Example], split: str, seed: int = seed) -> TextToTextDataset:
+        # T5 starts decoding with its pad id (decoder_start_token_id; the trainer checks the model agrees).
+        return TextToTextDataset(examples, d.inputs_length, d.targets_length, tokenizer.pad_id, seed, split,
+                                 packing=d.packing, decoder_start_id=tokenizer.pad_id)
+
+    if not d.tasks:
+        splits = read_splits(d, tokenizer, d.train_file, d.valid_file, d.input_field, d.target_field, d.task_prefix,
+                             "data.valid_file", echo)
+        return TextToTextData(**{name: dataset(examples, name) for name, examples in splits.items()},
+                              tokenizer=tokenizer)
+    per_task = []
+    for i, entry in enumerate(d.tasks):
+        per_task.append(read_splits(d, tokenizer, entry.train_file, entry.valid_file, entry.input_field,
+                                    entry.target_field, entry.task_prefix, f"data.tasks[{i}].valid_file",
+                                    lambda line, name=entry.name: echo(f"task {name}: {line}")))
+    examples = [len(splits["train"]) for splits in per_task]
+    rates = task_rates(d.task_mixing, [entry.weight for entry in d.tasks], examples, d.task_mixing_cap)
+    tasks = [Task(entry.name, entry.metric, splits["valid"], n, rate)
+             for entry, splits, n, rate in zip(d.tasks, per_task, examples, rates)]
+    echo(f"{len(tasks)} tasks, mixed by {d.task_mixing}: " + ", ".join(
+        f"{t.name} {100 * t.rate:.1f}% ({t.train_examples} training examples)" for t in tasks))
+    # Each task shuffles its rows with a seed of its own: tasks of equal size do not share one order.
+    train = [dataset(splits["train"], "train", int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
+             for k, splits in enumerate(per_task)]
+    in_turn = {name: [e for group in itertools.zip_longest(*(s[name] for s in per_task)) for e in group
+                      if e is not None] for name in ("valid", "test")}
+    return TextToTextData(TaskMixture(train, rates), dataset(in_turn["valid"], "valid"),
+                          dataset(in_turn["test"], "test"), tokenizer, tasks)

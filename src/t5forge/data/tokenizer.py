@@ -14,7 +14,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -171,6 +173,11 @@ class T5Tokenizer:
         return np.dtype(np.uint16) if self.vocab_size < 65500 else np.dtype(np.int32)
 
 
+INPUT_SENTENCE_SIZE = 2_000_000
+TRAINING_JSON = "tokenizer_training.json"  # the training sample and its character coverage, per language
+ALL = "all"  # the name of untagged inputs in that report
+
+
 def _lines(files: list[Path]) -> Iterator[str]:
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
@@ -180,42 +187,165 @@ def _lines(files: list[Path]) -> Iterator[str]:
                     yield line
 
 
+def group_inputs(items: list[str | os.PathLike]) -> dict[str | None, list[Path]]:
+    """`--input` items, FILE or LANG=FILE (an item that is an existing file is a file, '=' or not), as files per
+    language (None: untagged). Every item is tagged, or none."""
+    groups: dict[str | None, list[Path]] = {}
+    for item in map(str, items):
+        language, _, path = item.partition("=")
+        code = re.fullmatch(r"[A-Za-z][\w-]{0,31}", language) is not None
+        tagged = code and bool(path) and not Path(item).is_file()
+        groups.setdefault(language if tagged else None, []).append(Path(path if tagged else item))
+    if None in groups and len(groups) > 1:
+        raise TokenizerError(f"tag every input with its language (LANG=FILE), or none: {groups[None][0]} has no tag "
+                             f"but {next(str(lang) for lang in groups if lang)}=... has")
+    return groups
+
+
+def sample_sizes(sentences: dict[str, int], input_sentence_size: int, temperature: float) -> dict[str, int]:
+    """Sentences of each language in a training sample of min(input_sentence_size, all sentences), shared in
+    proportion to sentences ** temperature (mT5's sampling: 1 in proportion to the text, 0 the same for every
+    language), rounded by largest remainders (ties to the earlier language). A share larger than a language's
+    text repeats its sentences, which SentencePiece then counts as often."""
+    total = min(input_sentence_size, sum(sentences.values()))
+    weights = {lang: float(n) ** temperature for lang, n in sentences.items()}
+    exact = {lang: total * w / sum(weights.values()) for lang, w in weights.items()}
+    sizes = {lang: int(x) for lang, x in exact.items()}
+    by_remainder = sorted(exact, key=lambda lang: sizes[lang] - exact[lang])  # stable: earlier first on ties
+    for lang in by_remainder[:total - sum(sizes.values())]:
+        sizes[lang] += 1
+    return sizes
+
+
+def select_lines(files: list[Path], sentences: int, size: int, rng: np.random.Generator) -> list[tuple[str, int]]:
+    """(line, times) of a uniform sample of `size` of the `sentences` lines of `files`, in file order: every line
+    size // sentences times, and size % sentences of them once more, chosen by selection sampling (Knuth's
+    algorithm S: line i is chosen with probability still needed / lines left), so memory holds only the lines
+    kept, at most min(size, sentences), whatever the corpus size."""
+    full, needed = divmod(size, sentences)
+    kept, left, draws = [], sentences, np.empty(0)
+    for i, line in enumerate(_lines(files)):
+        if i % 4096 == 0:
+            draws = rng.random(4096)
+        extra = needed > 0 and draws[i % 4096] * left < needed
+        needed -= extra
+        left -= 1
+        if full or extra:
+            kept.append((line, full + extra))
+    return kept
+
+
+def coverage(tokenizer, lines: list[str], unk_id: int = UNK_ID) -> tuple[int, float]:
+    """(characters, share of them not encoded as unk), whitespace not counted; a character that the normaliser
+    expands (e.g. ½ -> 1⁄2) counts as unk when any part of it is."""
+    characters = unknown = 0
+    for begin in range(0, len(lines), 4096):
+        chunk = lines[begin:begin + 4096]
+        characters += sum(len("".join(line.split())) for line in chunk)
+        for line, encoding in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
+            if unk_id in encoding.ids:
+                spans = {i for token, (a, b) in zip(encoding.ids, encoding.offsets) if token == unk_id
+                         for i in range(a, b)}
+                unknown += sum(not line[i].isspace() for i in spans)
+    return characters, 1 - unknown / characters if characters else 1.0
+
+
 def train_tokenizer(
-    inputs: list[str | os.PathLike], vocab_size: int, output: str | os.PathLike,
-    character_coverage: float = 1.0, input_sentence_size: int = 2_000_000, seed: int = 0,
+    inputs: list[str | os.PathLike] | dict[str | None, list[str | os.PathLike]], vocab_size: int,
+    output: str | os.PathLike, character_coverage: float = 1.0, input_sentence_size: int = INPUT_SENTENCE_SIZE,
+    seed: int = 0, temperature: float | None = None,
 ) -> T5Tokenizer:
-    """Train a unigram SentencePiece model with `vocab_size` pieces (the 100 sentinels come on top, as
-    in T5's 32000 + 100) on the lines of `inputs`, and write a tokenizer directory atomically."""
+    """Train a unigram SentencePiece model with `vocab_size` pieces (the 100 sentinels come on top, as in T5's
+    32000 + 100) on the lines of `inputs` (files, or {language: files}), and write a tokenizer directory
+    atomically, with TRAINING_JSON: per language its sentences, its share of the sample and the character
+    coverage of its sample.
+
+    The sample: min(input_sentence_size, all lines) lines, shared among the languages in proportion to their
+    lines ** `temperature` (1 when None; `sample_sizes`), each language's lines chosen uniformly (`select_lines`).
+    The files are read twice (count, then select) and never held whole: memory is O(input_sentence_size). All
+    lines of one untagged input set, when they fit, go to SentencePiece in file order."""
     import sentencepiece as spm
 
-    files = [Path(p) for p in inputs]
-    for f in files:
+    groups = {lang: [Path(p) for p in files] for lang, files in
+              (inputs.items() if isinstance(inputs, dict) else [(None, inputs)])}
+    if not groups or not all(groups.values()):
+        raise TokenizerError("no input files; give text files to train the tokenizer on")
+    for f in (f for files in groups.values() for f in files):
         if not f.is_file():
             raise TokenizerError(f"input {f} does not exist")
         if f.stat().st_size == 0:
             raise TokenizerError(f"input {f} is empty; give a text file to train the tokenizer on")
     if vocab_size < 8:
         raise TokenizerError(f"vocab size {vocab_size} is too small; T5 uses 32000, mT5 250000")
+    if input_sentence_size < 1:
+        raise TokenizerError(f"input sentence size {input_sentence_size} must be >= 1 (SentencePiece: 1M-10M)")
+    if temperature is not None and None in groups:
+        raise TokenizerError("a temperature weighs languages: tag every input with its language (LANG=FILE)")
+    if temperature is not None and not (temperature >= 0 and math.isfinite(temperature)):
+        raise TokenizerError(f"temperature {temperature} must be a number >= 0 (mT5: 0.3; 1: languages in proportion "
+                             "to their text; 0: all alike)")
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):  # before the work, not after it
+        raise TokenizerError(f"output {output} already exists and is not empty; remove it or choose another path")
+    names = {lang: ALL if lang is None else lang for lang in groups}
+    counts = {lang: sum(1 for _ in _lines(files)) for lang, files in groups.items()}
+    for lang, n in counts.items():
+        if n == 0:
+            raise TokenizerError(f"the inputs of {names[lang]} ({', '.join(map(str, groups[lang]))}) hold no text "
+                                 "lines; give text files")
+    sizes = sample_sizes(counts, input_sentence_size, 1.0 if temperature is None else temperature)
+    samples = {lang: select_lines(files, counts[lang], sizes[lang], np.random.default_rng(
+        [seed, *(lang or "").encode("utf-8")])) for lang, files in groups.items()}
+
+    def sentences() -> Iterator[str]:
+        for sample in samples.values():
+            for line, times in sample:
+                for _ in range(times):
+                    yield line
+
     model = io.BytesIO()
-    spm.set_random_generator_seed(seed)  # sentence sampling; makes training repeatable
+    spm.set_random_generator_seed(seed)  # makes training repeatable
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_lines(files), model_writer=model, model_type="unigram",
+            sentence_iterator=sentences(), model_writer=model, model_type="unigram",
             vocab_size=vocab_size, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
             character_coverage=character_coverage, input_sentence_size=input_sentence_size,
             shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2,
         )
     except RuntimeError as e:
-        raise TokenizerError(f"SentencePiece could not train on {', '.join(map(str, files))}: {e}; "
-                             "a smaller --vocab-size or more text may help") from e
+        files = ", ".join(str(f) for fs in groups.values() for f in fs)
+        raise TokenizerError(f"SentencePiece could not train on {files}: {e}; a smaller --vocab-size or more text "
+                             "may help") from e
+    tokenizer = tokenizer_from_spiece(model.getvalue())
+    report = {"vocab_size": vocab_size, "input_sentence_size": input_sentence_size, "temperature": temperature,
+              "character_coverage": character_coverage, "seed": seed, "sample": sum(sizes.values()), "languages": {}}
+    for lang, files in groups.items():
+        characters, covered = coverage(tokenizer, [line for line, _ in samples[lang]])
+        report["languages"][names[lang]] = {
+            "files": [str(f) for f in files], "sentences": counts[lang], "sampled": sizes[lang],
+            "share": sizes[lang] / report["sample"], "unique": len(samples[lang]), "characters": characters,
+            "character_coverage": covered}
     sentinels = _sentinels(NUM_SENTINELS)
     hf_config = {"tokenizer_class": "T5Tokenizer", "extra_ids": NUM_SENTINELS,
                  "additional_special_tokens": sentinels, "model_max_length": 512, **_SPECIAL}
     with atomic_directory(output) as staging:
         (staging / SPIECE).write_bytes(model.getvalue())
-        tokenizer_from_spiece(model.getvalue()).save(str(staging / TOKENIZER_JSON))
+        tokenizer.save(str(staging / TOKENIZER_JSON))
         (staging / "tokenizer_config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(
             json.dumps({**_SPECIAL, "additional_special_tokens": sentinels}, indent=2) + "\n")
+        (staging / TRAINING_JSON).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     return T5Tokenizer(output)
+
+
+def training_summary(directory: str | os.PathLike) -> list[str]:
+    """Lines on the sample and character coverage per language of a tokenizer trained here (TRAINING_JSON)."""
+    report = json.loads((Path(directory) / TRAINING_JSON).read_text(encoding="utf-8"))
+    alpha = f", temperature {report['temperature']}" if report["temperature"] is not None else ""
+    lines = [f"sample: {report['sample']} sentences (input sentence size {report['input_sentence_size']}{alpha})"]
+    for lang, r in report["languages"].items():
+        lines.append(f"  {lang}: {r['sentences']} sentences, {r['sampled']} in the sample ({100 * r['share']:.1f}%"
+                     f"{', repeated' if r['sampled'] > r['sentences'] else ''}), character coverage "
+                     f"{100 * r['character_coverage']:.3f}% of {r['characters']} characters")
+    return lines

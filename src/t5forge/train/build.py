@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from t5forge.config import ParallelConfig, RunConfig, TrainConfig, batch_arithmetic, load_config
 from t5forge.data.loader import PretrainingData, build_pretraining_data
+from t5forge.data.mixture import build_mixture_data
 from t5forge.data.spans import compute_input_and_target_lengths
 from t5forge.data.text_to_text import TextToTextData, build_text_to_text_data
 from t5forge.errors import CheckpointError, ConfigError
@@ -98,11 +99,24 @@ def check_layout(run: RunConfig, world_size: int, model_config: T5Config | None 
     check_parallel_layout(run.parallel, config, run.data.inputs_length, targets_length(run), world_size)
 
 
+def train_samples(run: RunConfig) -> int:
+    """Samples the run's training draws: max_steps global batches (a mixture's index covers exactly these)."""
+    global_batch_size, _ = batch_arithmetic(run.train.global_batch_size, run.train.micro_batch_size, run.parallel.dp)
+    return (run.train.max_steps or run.train.max_samples // global_batch_size) * global_batch_size
+
+
 def build_data(run: RunConfig, echo=print) -> PretrainingData | TextToTextData:
-    """The splits of the run's data: span corruption of an indexed dataset, or text-to-text examples."""
+    """The splits of the run's data: span corruption of an indexed dataset or of a mixture of them, or
+    text-to-text examples."""
     d = run.data
     if d.task == "text_to_text":
         return build_text_to_text_data(d, seed=run.train.seed, echo=echo)
+    if d.mixture is not None:  # its index is cached beside the first dataset, else in the run directory
+        return build_mixture_data(d.mixture, d.tokenizer, train_samples(run), temperature=d.mixture_temperature,
+                                  inputs_length=d.inputs_length, noise_density=d.noise_density,
+                                  mean_noise_span_length=d.mean_noise_span_length, split=tuple(d.split),
+                                  seed=run.train.seed, echo=echo,
+                                  fallback_cache_dir=Path(run.train.output_dir) / "mixture-cache")
     return build_pretraining_data(d.dataset, d.tokenizer, inputs_length=d.inputs_length,
                                   noise_density=d.noise_density, mean_noise_span_length=d.mean_noise_span_length,
                                   split=tuple(d.split), seed=run.train.seed)

@@ -7,6 +7,11 @@ targets (train/task_metrics.py); writes the predictions to RUN_DIR/predictions/i
 scores to metrics.jsonl beside the losses; and keeps the model with the best `finetune.best_metric` as an
 HF directory, RUN_DIR/best (with best.json: metric, value, iteration).
 
+Several tasks (data.tasks): the first train.eval_samples validation examples of every task are generated
+together and scored task by task: valid_TASK/METRIC for every metric, valid_METRIC the mean of a metric over
+the tasks, valid_mean the mean of each task's own metric (`score_tasks`); the best model is kept by
+valid_mean unless finetune.best_metric names a task, TASK/METRIC or a metric (`best_metric`).
+
 Layouts: the training model generates in place. Data-parallel ranks share the examples out (equal
 counts, so that FSDP's per-block all-gathers pair up; ZeRO 2/3 also decode until every rank is done) and
 rank 0 gathers the predictions; tensor-parallel ranks decode the same examples. A pipelined model
@@ -38,7 +43,7 @@ from t5forge.train.checkpoint.store import on_rank_zero
 from t5forge.train.forward import autocast
 from t5forge.train.hooks import Hook, StepInfo, TrainState
 from t5forge.train.metrics import MetricsWriter
-from t5forge.train.task_metrics import score
+from t5forge.train.task_metrics import score, score_tasks
 from t5forge.train.trainer import Trainer, train
 
 
@@ -62,6 +67,16 @@ def check_generation_eval(run: RunConfig) -> None:
                           "set train.export_hf=true")
 
 
+def best_metric(run: RunConfig) -> str:
+    """The score that decides RUN_DIR/best (a key of the evaluation's scores): finetune.best_metric, by default
+    exact_match; with data.tasks by default "mean", and a task's name stands for TASK/(its metric)."""
+    chosen, tasks = run.finetune.best_metric, run.data.tasks
+    if not tasks:
+        return chosen or "exact_match"
+    named = {task.name: f"{task.name}/{task.metric}" for task in tasks}
+    return named.get(chosen, chosen or "mean")
+
+
 def finetune(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
     """Train a text-to-text run (`train`), evaluated by generation."""
     check_generation_eval(run)
@@ -71,33 +86,38 @@ def finetune(run: RunConfig, echo=print, tensorboard: bool = True) -> Trainer:
 def generation_eval_hooks(run: RunConfig):
     """The hooks a text-to-text run adds to the trainer's (train's `extra_hooks`, default_hooks' `extra`)."""
     def hooks(trainer: Trainer, writer: MetricsWriter) -> list[Hook]:
+        n, data = run.train.eval_samples, trainer.data
+        tasks = [(task.name, task.metric, task.valid[:n]) for task in data.tasks]
         return [GenerationEvalHook(
-            writer, trainer.state, model=trainer.model, tokenizer=trainer.data.tokenizer, mesh=trainer.mesh,
-            precision=run.precision.dtype, examples=trainer.data.valid.examples[:run.train.eval_samples],
-            settings=run.finetune, targets_length=trainer.plan.targets_length, eval_period=run.train.eval_period,
-            zero_stage=run.parallel.zero_stage, pp=run.parallel.pp, run_dir=trainer.run_dir,
-            export=trainer.export_hf, exports=run.train.export_hf, echo=trainer.echo)]
+            writer, trainer.state, model=trainer.model, tokenizer=data.tokenizer, mesh=trainer.mesh,
+            precision=run.precision.dtype, examples=data.valid.examples[:n], tasks=tasks or None,
+            settings=run.finetune, best_metric=best_metric(run), targets_length=trainer.plan.targets_length,
+            eval_period=run.train.eval_period, zero_stage=run.parallel.zero_stage, pp=run.parallel.pp,
+            run_dir=trainer.run_dir, export=trainer.export_hf, exports=run.train.export_hf, echo=trainer.echo)]
     return hooks
 
 
 class GenerationEvalHook(Hook):
     """Generates `examples` with the training `model` in its layout (or, when `pipelined`, with the run's HF
-    export at the end, when `pp` > 1), scores them, writes predictions and scores, and keeps the best model in
-    RUN_DIR/best through `export(name)`."""
+    export at the end, when `pp` > 1), scores them, writes predictions and scores, and keeps the best model by
+    the score `best_metric` in RUN_DIR/best through `export(name)`. With `tasks` ([(name, metric, examples)]),
+    the examples are those of every task in turn, each task scored on its own (`score_tasks`)."""
 
     def __init__(self, writer: MetricsWriter, state: TrainState, *, model: T5ForConditionalGeneration,
                  tokenizer: T5Tokenizer, mesh: Mesh, precision: str, examples: list, settings: FinetuneConfig,
                  targets_length: int, eval_period: int, zero_stage: int, pp: int, run_dir: Path, export,
-                 exports: bool, echo):
+                 exports: bool, echo, tasks: list[tuple[str, str, list]] | None = None, best_metric: str | None = None):
         self.writer, self.state, self.model, self.tokenizer, self.mesh = writer, state, model, tokenizer, mesh
-        self.precision, self.examples, self.eval_period = precision, examples, eval_period
+        self.precision, self.eval_period = precision, eval_period
+        self.tasks = [(name, metric, len(task_examples)) for name, metric, task_examples in tasks or []]
+        self.examples = [e for _, _, task_examples in tasks for e in task_examples] if tasks else examples
         self.batch_size = settings.eval_batch_size
         self.generate = {"max_new_tokens": settings.max_new_tokens or targets_length, "num_beams": settings.num_beams}
         self.zero_stage, self.fsdp = zero_stage, zero_stage >= 2
         self.pp, self.pipelined, self.run_dir = pp, pp > 1, run_dir
         self.export, self.exports, self.echo = export, exports, echo
         # RUN_DIR/best; a resumed run keeps its best, and refuses a changed finetune.best_metric.
-        self.best = BestModel(run_dir, settings.best_metric, resumed=state.step > 0)
+        self.best = BestModel(run_dir, best_metric or settings.best_metric or "exact_match", resumed=state.step > 0)
         self.last_step = -1
 
     def before_train(self) -> None:
@@ -123,19 +143,36 @@ class GenerationEvalHook(Hook):
         predictions = self.predict_on_export() if self.pipelined else self.predict()
 
         def record() -> bool:  # rank 0's: scores, predictions and the log; whether this is the best so far
-            scores = score(predictions, [e.target for e in self.examples])
+            scores, said = self.score(predictions)
             path = self.write_predictions(predictions)
             how = "greedy" if self.generate["num_beams"] == 1 else f"beam {self.generate['num_beams']}"
+            of_tasks = f" of {len(self.tasks)} tasks" if self.tasks else ""
             self.writer.write(
                 {"iteration": step, "consumed_samples": self.state.consumed_samples,
                  **{f"valid_{k}": v for k, v in scores.items()}, "valid_generated": len(predictions),
                  "predictions": str(path)},
-                f"generation eval at iteration {step} ({len(predictions)} examples, {how}): "
-                + " ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f"; predictions {path}")
+                f"generation eval at iteration {step} ({len(predictions)} examples{of_tasks}, {how}): {said}; "
+                f"predictions {path}")
             return self.best.consider(scores, step)
 
         if on_rank_zero(record):  # a failure there reaches every rank
             self.keep_best(final)
+
+    def score(self, predictions: list[str]) -> tuple[dict[str, float], str]:
+        """The scores of `predictions` (of self.examples), and what the log line says of them."""
+        references = [e.target for e in self.examples]
+        if not self.tasks:
+            scores = score(predictions, references)
+            return scores, " ".join(f"{k} {v:.2f}" for k, v in scores.items())
+        by_task, start = {}, 0
+        for name, _, count in self.tasks:
+            by_task[name] = slice(start, start + count)
+            start += count
+        scores = score_tasks({name: predictions[s] for name, s in by_task.items()},
+                             {name: references[s] for name, s in by_task.items()},
+                             {name: metric for name, metric, _ in self.tasks})
+        return scores, f"mean {scores['mean']:.2f} (" + ", ".join(
+            f"{name} {metric} {scores[f'{name}/{metric}']:.2f}" for name, metric, _ in self.tasks) + ")"
 
     def predict(self) -> list[str] | None:
         """Predictions of the training model for every example on rank 0 (None elsewhere)."""
@@ -181,9 +218,10 @@ class GenerationEvalHook(Hook):
     def write_predictions(self, predictions: list[str]) -> Path:
         path = self.run_dir / "predictions" / f"iter_{self.state.step:07d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        tasks = [{"task": name} for name, _, count in self.tasks for _ in range(count)] or [{}] * len(self.examples)
         write_text_atomic(path, "".join(
-            json.dumps({"source": e.source, "input": e.input, "target": e.target, "prediction": p},
-                       ensure_ascii=False) + "\n" for e, p in zip(self.examples, predictions)))
+            json.dumps({**task, "source": e.source, "input": e.input, "target": e.target, "prediction": p},
+                       ensure_ascii=False) + "\n" for task, e, p in zip(tasks, self.examples, predictions)))
         return path
 
     def keep_best(self, final: bool) -> None:

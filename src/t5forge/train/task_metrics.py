@@ -9,7 +9,9 @@
 - bleu: corpus BLEU from `sacrebleu` (13a tokenisation, 4-grams, brevity penalty).
 
 ROUGE and BLEU come from the maintained packages, never re-implemented; exact match and token F1 are a few
-lines, written out so that their normalisation is visible."""
+lines, written out so that their normalisation is visible.
+
+Several tasks (data.tasks) are scored one by one and averaged (`score_tasks`)."""
 
 from __future__ import annotations
 
@@ -65,3 +67,18 @@ def score(predictions: list[str], references: list[str], metrics: tuple[str, ...
 
         result["bleu"] = sacrebleu.corpus_bleu(predictions, [references]).score
     return result
+
+
+def score_tasks(predictions: dict[str, list[str]], references: dict[str, list[str]],
+                metric_of: dict[str, str]) -> dict[str, float]:
+    """Scores of several tasks ({task: aligned predictions / references}): "TASK/METRIC" for every task and metric,
+    "METRIC" its mean over the tasks, and "mean" the mean over the tasks of each one's own metric (`metric_of`),
+    as GLUE's average score (every task counts the same, whatever its number of examples)."""
+    scores, per_task = {}, {}
+    for task in metric_of:
+        per_task[task] = score(predictions[task], references[task])
+        scores.update({f"{task}/{metric}": value for metric, value in per_task[task].items()})
+    for metric in TASK_METRICS:
+        scores[metric] = sum(s[metric] for s in per_task.values()) / len(per_task)
+    scores["mean"] = sum(per_task[task][metric] for task, metric in metric_of.items()) / len(per_task)
+    return scores
