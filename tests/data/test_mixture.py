@@ -87,8 +87,8 @@ def test_every_prefix_stays_within_two_samples_like_megatrons_greedy(case):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron.core.datasets import helpers_cpp
-    except ImportError:
-        print("megatron-core is not installed: not compared with its build_blending_indices")
+    except Exception as e:  # not installed, or not importable with this torch
+        print(f"megatron-core cannot be imported ({e}): not compared with its build_blending_indices")
         return
     dataset_index, sample_index = np.zeros(20_000, np.int16), np.zeros(20_000, np.int64)
     helpers_cpp.build_blending_indices(dataset_index, sample_index, weights, len(weights), 20_000, False)
@@ -226,8 +226,8 @@ def test_mixture_with_a_dataset_written_by_megatron_lm(three, tokenizer_dir, tmp
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    except ImportError as e:
-        pytest.skip(f"megatron-core is not installed ({e}); `pip install megatron-core` to run this test")
+    except Exception as e:  # not installed, or not importable with this torch
+        pytest.skip(f"megatron-core cannot be imported ({e}); `pip install megatron-core` to run this test")
     # As Megatron-LM's tools/preprocess_data.py writes it with --split-sentences: several sequences (sentences)
     # per document, token dtype by its rule for the vocabulary size (uint16 here).
     prefix = str(tmp_path / "megatron_text_sentence")
