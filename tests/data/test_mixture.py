@@ -121,14 +121,16 @@ def test_temperature_weights_follow_mt5():
                                100**0.5 / (900**0.5 + 100**0.5)])
 
 
-def write_dataset(prefix, first_id: int = FIRST_ID, dtype=np.uint16, vocab_size: int | None = None) -> None:
+def write_dataset(prefix, first_id: int = FIRST_ID, dtype=np.uint16, vocab_size: int | None = None,
+                  sha256: str | None = None) -> None:
     """DOCS documents, document j being DOC_TOKENS copies of token first_id + j (its split is readable from
-    any of its tokens); `vocab_size`: also a PREFIX.json recording it."""
+    any of its tokens); `vocab_size` (and `sha256`): also a PREFIX.json recording that tokenizer."""
     tokens = np.repeat(np.arange(first_id, first_id + DOCS), DOC_TOKENS).astype(dtype)
     (prefix.parent / f"{prefix.name}.bin").write_bytes(tokens.tobytes())
     write_index(f"{prefix}.idx", dtype, np.full(DOCS, DOC_TOKENS), np.arange(DOCS + 1))
     if vocab_size is not None:
-        (prefix.parent / f"{prefix.name}.json").write_text(json.dumps({"tokenizer": {"vocab_size": vocab_size}}))
+        tokenizer = {"vocab_size": vocab_size, **({"sha256": sha256} if sha256 else {})}
+        (prefix.parent / f"{prefix.name}.json").write_text(json.dumps({"tokenizer": tokenizer}))
 
 
 @pytest.fixture
@@ -253,7 +255,7 @@ def test_mixture_with_a_dataset_written_by_megatron_lm(three, tokenizer_dir, tmp
 
 
 @pytest.mark.parametrize("case", ["negative", "all-zero", "both-kinds", "dataset-and-mixture", "temperature-unused",
-                                  "dtype", "sidecar", "token-ids"])
+                                  "dtype", "sidecar", "fingerprint", "token-ids"])
 def test_bad_mixture_exits_2_with_one_line_and_writes_nothing(case, three, tokenizer_dir, tmp_path, capsys):
     entries = [{"dataset": str(p), "weight": w} for p, w in zip(three, (1, 2, 3))]
     extra = []
@@ -261,7 +263,8 @@ def test_bad_mixture_exits_2_with_one_line_and_writes_nothing(case, three, token
                 "all-zero": "weights are all zero", "both-kinds": "mixes entries with a weight and entries with a",
                 "dataset-and-mixture": "set exactly one of data.dataset", "temperature-unused":
                 "remove data.mixture_temperature", "dtype": "too narrow for the tokenizer's 1100 ids",
-                "sidecar": "built with a tokenizer of 32100 ids", "token-ids": "holds token id 1199"}[case]
+                "sidecar": "built with a tokenizer of 32100 ids",
+                "fingerprint": "built with another tokenizer of the same size", "token-ids": "holds token id 1199"}[case]
     if case == "negative":
         entries[1]["weight"] = -1
     if case == "all-zero":
@@ -276,6 +279,8 @@ def test_bad_mixture_exits_2_with_one_line_and_writes_nothing(case, three, token
         write_dataset(three[1], dtype=np.uint8)
     if case == "sidecar":
         write_dataset(three[1], vocab_size=32100)
+    if case == "fingerprint":  # the run's tokenizer has 1100 ids, but the data's had other pieces
+        write_dataset(three[1], vocab_size=1100, sha256="0" * 64)
     if case == "token-ids":
         write_dataset(three[1], first_id=1000)
     config = tmp_path / "run.yaml"

@@ -10,17 +10,16 @@ batches is the same for every data-parallel size and resuming is just starting a
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from t5forge.data.indexed import DatasetError, IndexedDataset
+from t5forge.data.preprocess import read_info, tokenizer_fingerprint
 from t5forge.data.spans import SpanCorruption
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
@@ -128,38 +127,25 @@ def split_span_corruption(indexed: IndexedDataset, corruption: SpanCorruption,
     return datasets
 
 
-def sidecar_vocab_size(prefix: str | os.PathLike) -> int | None:
-    """The tokenizer vocabulary size that `PREFIX.json` (written beside the data by `t5forge preprocess`)
-    records, or None when there is no such file or it does not say."""
-    path = Path(f"{prefix}.json")
-    if not path.is_file():
-        return None
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatasetError(f"{path} is not readable JSON ({e}); rebuild the dataset with `t5forge preprocess` or "
-                           "remove the file") from None
-    for record in (info, info.get("tokenizer") if isinstance(info, dict) else None):
-        if isinstance(record, dict) and isinstance(record.get("vocab_size"), int):
-            return record["vocab_size"]
-    return None
-
-
 def check_tokenizer(indexed: IndexedDataset, tokenizer: T5Tokenizer) -> None:
     """Refuse a dataset built with another tokenizer, as far as the data tells: a token dtype too narrow for
     this tokenizer's ids (Megatron's rule, and ours: uint16 below 65500 ids, int32 above), a different
-    vocabulary size in `PREFIX.json`, or a token id beyond the vocabulary (a pass over the .bin, skipped when
-    PREFIX.json records this vocabulary size: its ids are below it)."""
+    vocabulary size or tokenizer fingerprint in `PREFIX.json`, or a token id beyond the vocabulary (a pass over
+    the .bin, skipped when PREFIX.json records this tokenizer: its ids are below its size)."""
     rebuild = f"rebuild it with `t5forge preprocess --tokenizer {tokenizer.path}` or train with its own tokenizer"
     if np.issubdtype(indexed.dtype, np.integer) and tokenizer.vocab_size > int(np.iinfo(indexed.dtype).max) + 1:
         raise DatasetError(f"{indexed.prefix} stores token ids as {indexed.dtype}, too narrow for the tokenizer's "
                            f"{tokenizer.vocab_size} ids: it was built with a smaller tokenizer; {rebuild}")
-    recorded = sidecar_vocab_size(indexed.prefix)
-    if recorded is not None and recorded != tokenizer.vocab_size:
-        raise DatasetError(f"{indexed.prefix} was built with a tokenizer of {recorded} ids ({indexed.prefix}.json), "
-                           f"not this one ({tokenizer.vocab_size} ids); {rebuild}")
-    if recorded is None:
+    recorded = (read_info(indexed.prefix) or {}).get("tokenizer")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("vocab_size"), int):
         indexed.check_token_ids(tokenizer.vocab_size)
+        return
+    if recorded["vocab_size"] != tokenizer.vocab_size:
+        raise DatasetError(f"{indexed.prefix} was built with a tokenizer of {recorded['vocab_size']} ids "
+                           f"({indexed.prefix}.json), not this one ({tokenizer.vocab_size} ids); {rebuild}")
+    if recorded.get("sha256") not in (None, tokenizer_fingerprint(tokenizer)["sha256"]):
+        raise DatasetError(f"{indexed.prefix} was built with another tokenizer of the same size (the fingerprint in "
+                           f"{indexed.prefix}.json differs from {tokenizer.path}'s); {rebuild}")
 
 
 def build_pretraining_data(
