@@ -234,6 +234,9 @@ def cached_blend_index(weights: np.ndarray, num_samples: int, fingerprint: str, 
             del arrays
             for temp, path in zip(temps, paths):
                 os.replace(temp, path)
+        except OSError as e:  # full disk, quota, a directory that became read-only
+            raise DatasetError(f"cannot write the mixture index into {cache_dir} ({e}); free space there or make "
+                               "it writable") from None
         finally:
             for temp in temps:
                 with contextlib.suppress(FileNotFoundError):

@@ -236,18 +236,24 @@ class _ZstdReader:
 @contextlib.contextmanager
 def _text_stream(path: Path, compression: str, start: int) -> Iterator[tuple]:
     """(read(n) over the file's text from byte `start`, the raw file: its tell() is the progress)."""
-    with open(path, "rb") as raw:
+    try:
+        raw = open(path, "rb")
+    except OSError as e:
+        raise DatasetError(f"cannot read {path}: {e}; check the path and its permissions") from None
+    with raw:
         if not compression:
             raw.seek(start)
             yield raw.read, raw
             return
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if compression == "gz" else _ZstdReader(raw, str(path))
         skipped = 0
-        while skipped < start:  # a compressed stream cannot seek: decompress up to `start`
-            data = stream.read(min(1 << 24, start - skipped))
-            if not data:
-                raise DatasetError(f"{path} is shorter than when this run began; its shards are from another file")
-            skipped += len(data)
+        with _read_errors(path, compression, raw, 0):
+            while skipped < start:  # a compressed stream cannot seek: decompress up to `start`
+                data = stream.read(min(1 << 24, start - skipped))
+                if not data:
+                    raise DatasetError(f"{path} is shorter than when this run began; its shards are from another "
+                                       "file")
+                skipped += len(data)
         yield stream.read, raw
 
 
@@ -660,15 +666,17 @@ class _ShardWriter:
 
 
 def _plan(files: list[Path], formats: list, rows: dict, json_key: str, shard_size: int,
-          directory: _ShardDirectory) -> Iterator[tuple]:
+          directory: _ShardDirectory, skip_bad_lines: bool = False) -> Iterator[tuple]:
     """Events, in output order: ("resume", record), ("begin", _Shard), ("chunk", _Chunk),
-    ("end", end, end_line, eof)."""
+    ("end", end, end_line, eof). A complete shard that skipped bad lines is made again by a run that does not
+    skip them (which then refuses the bad line)."""
     number = 0
     for index, (path, (compression, kind)) in enumerate(zip(files, formats)):
         position, line, chunks, ahead = 0, 1, None, None
         while True:
             record = directory.complete(number)
-            if record is not None and record.get("input") == index and record.get("start") == position:
+            if record is not None and record.get("input") == index and record.get("start") == position and \
+                    (skip_bad_lines or not record.get("skipped_lines")):
                 yield "resume", record
                 number, position, line, chunks = number + 1, record["end"], record["end_line"], None
                 if record["eof"]:
@@ -768,7 +776,7 @@ def preprocess(
 
             # At most two chunks per worker in flight: memory stays bounded on any corpus size, and read
             # errors surface here, in order, rather than in a feeder thread.
-            for event in _plan(files, formats, rows, json_key, shard_size, directory):
+            for event in _plan(files, formats, rows, json_key, shard_size, directory, skip_bad_lines):
                 if event[0] == "chunk":
                     pending.append(("chunk", event[1], submit(event[1])))
                     in_flight += 1
@@ -819,6 +827,11 @@ def _join(parts: list, output_prefix: Path, tokenizer: dict | None, dtype: np.dt
                     with open(f"{part}.bin", "rb") as f:
                         shutil.copyfileobj(f, out, 1 << 24)
         Path(temps[2]).write_text(_info(tokenizer, dtype, documents, tokens, inputs), encoding="utf-8")
+        # A dataset exists once its .idx does: an older one at this prefix stops existing before its .bin is
+        # replaced, so a crash in between leaves no dataset rather than a new .bin under an old .idx.
+        for ext in (".idx", ".json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{output_prefix}{ext}")
         for tmp, ext in ((temps[0], ".bin"), (temps[2], ".json"), (temps[1], ".idx")):
             os.replace(tmp, f"{output_prefix}{ext}")
     finally:
