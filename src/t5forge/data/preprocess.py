@@ -122,10 +122,6 @@ def input_format(path: Path) -> tuple[str, str]:
     return compression, "jsonl" if inner in (".jsonl", ".json") else "text"
 
 
-def is_jsonl(path: Path) -> bool:
-    return input_format(Path(path))[1] == "jsonl"
-
-
 def _check_parquet(path: Path, column: str) -> int:
     """Rows of a parquet file whose `column` holds strings."""
     import pyarrow as pa
