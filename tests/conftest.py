@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from t5forge.data.corpus import write_python_docs  # noqa: E402
 from t5forge.data.preprocess import preprocess  # noqa: E402
 from t5forge.data.tokenizer import train_tokenizer  # noqa: E402
+
+
+@pytest.fixture
+def netns_cluster():
+    """NetnsCluster(nodes, rate=None) (t5forge.testing.cluster), entered, and removed after the test; the test
+    skips, saying why, where network namespaces cannot be made."""
+    from t5forge.testing.cluster import NetnsCluster, unavailable_reason
+
+    if (reason := unavailable_reason()) is not None:
+        pytest.skip(reason)
+    with contextlib.ExitStack() as clusters:
+        yield lambda nodes, rate=None: clusters.enter_context(NetnsCluster(nodes, rate))
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # A module may import from its own layer and the layers below; the rest of the package (errors, config,
 # fileio, lifecycle) is layer 0.
-LAYERS = {"data": 1, "models": 1, "parallel": 2, "train": 3, "inference": 3, "bench": 4, "serve": 4, "report": 4,
-          "cli": 5, "__main__": 6}
+LAYERS = {"data": 1, "models": 1, "testing": 1, "parallel": 2, "train": 3, "inference": 3, "bench": 4, "serve": 4,
+          "report": 4, "cli": 5, "__main__": 6}
 
 
 def find_modules(src: Path, package: str) -> dict[str, Path]:

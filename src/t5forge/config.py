@@ -167,6 +167,10 @@ class PrecisionConfig:
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 BACKENDS = ("auto", "nccl", "gloo")
+# How global ranks fill the (pp, dp, tp) mesh, innermost dimension first (Megatron-core's `order`): consecutive
+# ranks share a node, so the innermost dimension's groups stay inside nodes. The default keeps tensor
+# parallelism there; the others exist to measure what a worse placement costs (tp across nodes).
+RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp")
 
 
 @dataclass
@@ -198,6 +202,7 @@ class ParallelConfig:
     pp_layers: list[int] | None = None  # blocks per pipeline stage, encoder then decoder; None: balanced by FLOPs
     pp_stages_per_rank: int = 2  # interleaved_1f1b: virtual stages per pipeline rank
     backend: str = "auto"  # auto | nccl | gloo (see above)
+    rank_order: str = "tp-dp-pp"  # innermost first: which groups hold consecutive ranks (RANK_ORDERS)
     timeout_minutes: float = 10.0  # of every collective of the default process group
     rank0_work_timeout_minutes: float = 60.0  # of the other ranks' wait while rank 0 alone works
 
@@ -220,6 +225,7 @@ _CHOICES = {
     "parallel.activation_checkpointing": ("none", "full", "selective"),
     "parallel.pp_schedule": PP_SCHEDULES,
     "parallel.backend": BACKENDS,
+    "parallel.rank_order": RANK_ORDERS,
     "data.task": DATA_TASKS,
 }
 

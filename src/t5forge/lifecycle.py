@@ -21,6 +21,11 @@ _PR_SET_PDEATHSIG = 1
 # Added to LOCAL_RANK to find a process's GPU (parallel.mesh.device_index): `launch` sets it for each torchrun
 # agent after the first that emulates a node on this machine, whose LOCAL_RANKs also start at 0.
 DEVICE_OFFSET_ENV = "T5FORGE_DEVICE_OFFSET"
+# The rendezvous port on emulated machines (`launch`'s node_addresses): torchrun's default, free in a fresh
+# network namespace.
+RENDEZVOUS_PORT = 29500
+# Where an agent that `launch` started on an emulated machine writes why it could not join the rendezvous.
+RENDEZVOUS_ERROR_ENV = "T5FORGE_RENDEZVOUS_ERROR_FILE"
 
 
 def die_with_parent(*_ignored) -> None:
@@ -96,7 +101,10 @@ def configure_cpu_training() -> None:
 
 
 def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int = 0, capture: bool = False,
-           scratch: str | os.PathLike | None = None, share_cores: bool = False) -> list[subprocess.CompletedProcess]:
+           scratch: str | os.PathLike | None = None, share_cores: bool = False,
+           node_prefixes: list[list[str]] | None = None, node_addresses: list[str] | None = None,
+           rendezvous_timeout: int | None = None,
+           env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """Run `python -m COMMAND...` as `processes` ranks under each of `nodes` torchrun agents on this machine
     (one agent: --standalone; several: a c10d rendezvous on a free local port, as separate machines would
     meet), restarting the ranks up to `max_restarts` times when one dies, and wait for every agent.
@@ -106,18 +114,29 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
     text in stdout / stderr instead of passing through; `scratch`: the ranks' TMPDIR; `share_cores`: this
     machine's cores split between all ranks as OMP threads (default: torchrun's one thread per rank).
     The ranks of agent i take GPU i x processes + LOCAL_RANK (DEVICE_OFFSET_ENV), so that the emulated
-    nodes do not share GPUs."""
+    nodes do not share GPUs.
+
+    Emulated machines (t5forge.testing.cluster): agent i runs under the command `node_prefixes[i]` (`ip
+    netns exec NS`) at `node_addresses[i]`, meeting the others at node_addresses[0]:RENDEZVOUS_PORT; `env`:
+    more environment for every agent and rank; `rendezvous_timeout`: the seconds an agent waits to reach
+    the rendezvous and for the others to join it (default: torchrun's, 60 and 600 s). On emulated machines,
+    an agent that could not join raises ConfigError, naming the rendezvous and why."""
     if nodes == 1:
         rendezvous = ["--standalone"]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rendezvous = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        if node_addresses is not None:
+            host, port = node_addresses[0], RENDEZVOUS_PORT
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                host, port = s.getsockname()
+        rendezvous = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
                       "--rdzv-id", f"t5forge-{port}"]
     agent = [sys.executable, "-m", "t5forge.lifecycle", *rendezvous, f"--nproc-per-node={processes}",
-             f"--max-restarts={max_restarts}", "-m", *command]
-    env = {**os.environ, **({"TMPDIR": str(scratch)} if scratch is not None else {})}
+             f"--max-restarts={max_restarts}"]
+    agents_commands = [[*(node_prefixes[i] if node_prefixes else []), *agent,
+                        *_node_args(i, node_addresses, rendezvous_timeout), "-m", *command] for i in range(nodes)]
+    env = {**os.environ, **(env or {}), **({"TMPDIR": str(scratch)} if scratch is not None else {})}
     # Restarted ranks must not share the rendezvous store with the agent: they would read the previous
     # attempt's addresses and fail to connect (pytorch/pytorch#135712).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -127,8 +146,13 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
         # Files, not pipes: an agent blocked on a full pipe would stall the collectives of all of them.
         outputs = [[files.enter_context(tempfile.TemporaryFile("w+")) if capture else None for _ in range(2)]
                    for _ in range(nodes)]
-        agents = [subprocess.Popen(agent, stdout=out, stderr=err, env={**env, **agent_env(i, processes)})
-                  for i, (out, err) in enumerate(outputs)]
+        # On emulated machines, each agent's file for why it could not join the rendezvous (`_agent`).
+        errors = [files.enter_context(tempfile.NamedTemporaryFile("w+")) if node_addresses and nodes > 1 else None
+                  for _ in range(nodes)]
+        agents = [subprocess.Popen(agent_command, stdout=out, stderr=err,
+                                   env={**env, **agent_env(i, processes),
+                                        **({RENDEZVOUS_ERROR_ENV: error.name} if error else {})})
+                  for i, (agent_command, (out, err), error) in enumerate(zip(agents_commands, outputs, errors))]
         try:
             codes = [a.wait() for a in agents]
         except BaseException:  # interrupted: the agents stop their ranks before this process goes
@@ -136,8 +160,27 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
                 a.terminate()
                 a.wait()
             raise
-        return [subprocess.CompletedProcess(agent, code, _read(out), _read(err))
-                for code, (out, err) in zip(codes, outputs)]
+        unmet = [(i, reason) for i, error in enumerate(errors) if (reason := _read(error))]
+        if unmet:
+            from t5forge.errors import ConfigError
+
+            within = f"{rendezvous_timeout} s" if rendezvous_timeout is not None else "torchrun's timeout"
+            raise ConfigError(f"{len(unmet)} of {nodes} torchrun agents could not join the rendezvous at {host}:{port} "
+                              f"within {within}: " + "; ".join(f"agent {i}: {reason}" for i, reason in unmet))
+        return [subprocess.CompletedProcess(agent_command, code, _read(out), _read(err))
+                for agent_command, code, (out, err) in zip(agents_commands, codes, outputs)]
+
+
+def _node_args(agent: int, addresses: list[str] | None, rendezvous_timeout: int | None) -> list[str]:
+    """The torchrun arguments of the `agent`-th agent: on emulated machines (which share one hostname, so
+    that torchrun's guesses from it are wrong) its address and whether it hosts the rendezvous's store."""
+    args, conf = [], {}
+    if addresses is not None:
+        args = ["--local-addr", addresses[agent]]
+        conf["is_host"] = int(agent == 0)
+    if rendezvous_timeout is not None:  # waiting for the others to join, and to connect to the store
+        conf["join_timeout"] = conf["read_timeout"] = rendezvous_timeout
+    return args + (["--rdzv-conf", ",".join(f"{key}={value}" for key, value in conf.items())] if conf else [])
 
 
 def agent_env(agent: int, processes: int) -> dict[str, str]:
@@ -153,6 +196,7 @@ def _read(file) -> str | None:
 def _agent(torchrun_args: list[str]) -> int:
     """torchrun, exiting with the first failing rank's status (torchrun's own is 1 whatever failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import main as torchrun
 
     die_with_parent()
@@ -160,6 +204,14 @@ def _agent(torchrun_args: list[str]) -> int:
         torchrun(torchrun_args)
     except ChildFailedError as e:
         return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
+    except RendezvousError as e:
+        if RENDEZVOUS_ERROR_ENV not in os.environ:
+            raise
+        # `launch` raises it as one line; torchrun's traceback, once per agent, would only repeat it. The
+        # cause says why (a connection refused...); a timeout has no message.
+        with open(os.environ[RENDEZVOUS_ERROR_ENV], "w") as report:
+            report.write(": ".join(filter(None, [type(e).__name__, " ".join(str(e.__cause__ or e).split())])))
+        return 1
     return 0
 
 

@@ -68,6 +68,12 @@ FOUR_RANKS = {  # run as two "nodes" of two processes each
     "init_dp2_tp2_zero3": "parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
     "hf_dp2_tp2_zero3": f"{FROM_HF};parallel.dp=2;parallel.tp=2;parallel.zero_stage=3;initial_only=1",
 }
+# Two network-namespace nodes of two ranks each (t5forge.testing.cluster): one torchrun agent per node, a
+# real link between them; tensor parallelism inside the nodes, then (rank order dp-tp-pp) across them.
+NETNS_RANKS = {
+    "netns_dp2_tp2": f"parallel.dp=2;parallel.tp=2;{AUDIT}",
+    "netns_dp2_tp2_tp_across_nodes": f"parallel.dp=2;parallel.tp=2;parallel.rank_order=dp-tp-pp;{AUDIT}",
+}
 TWO_RANKS = {
     "dp2": f"parallel.dp=2;{AUDIT}",
     "dp2_zero1": "parallel.dp=2;parallel.zero_stage=1;audit=1;train.log_period=3",
@@ -145,6 +151,22 @@ def run_layouts(args: list[str], cases: dict, dataset_prefix, tokenizer_dir, out
         assert agent.returncode == 0, output[-5000:]
 
 
+def run_on_namespaces(cases: dict, dataset_prefix, tokenizer_dir, out: Path) -> None:
+    """The cases on two namespace nodes of two ranks each; where namespaces cannot be made, OUT/netns_skipped
+    says why (the tests that read the cases skip with it)."""
+    from t5forge.testing.cluster import NetnsCluster, unavailable_reason
+
+    if (reason := unavailable_reason()) is not None:
+        (out / "netns_skipped").write_text(reason)
+        return
+    specs = [f"{name}={spec.replace('OUT', str(out))}" for name, spec in cases.items()]
+    with NetnsCluster(2, rate="1gbit") as cluster:
+        agents = cluster.launch(["layouts", str(dataset_prefix), str(tokenizer_dir), str(out), *specs], 2,
+                                capture=True, scratch=out, share_cores=True, env={"PYTHONPATH": str(HERE)})
+    for agent in agents:
+        assert agent.returncode == 0, agent.stderr[-5000:]
+
+
 @pytest.fixture(scope="module")
 def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
@@ -170,6 +192,7 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
                 FOUR_RANKS, dataset_prefix, tokenizer_dir, out, nodes=2)
     run_layouts(["--standalone", "--nproc-per-node", "2"], TWO_RANKS, dataset_prefix, tokenizer_dir, out)
+    run_on_namespaces(NETNS_RANKS, dataset_prefix, tokenizer_dir, out)
     single = train(load_config(None, [*base_overrides(dataset_prefix, tokenizer_dir, str(out / "resume_single")),
                                       "train.max_steps=6", f"train.resume={out / CHECKPOINT}"]),
                    echo=lambda *_: None, tensorboard=False)
@@ -366,6 +389,32 @@ def test_a_redundant_collective_fails_the_audit(results):
     assert {(d["rank"], d["collective"], d["dim"]) for d in report["differences"]} == {(0, "all_reduce", "tp"),
                                                                                       (1, "all_reduce", "tp")}
     assert "difference(s)" in format_report(report)
+
+
+@pytest.mark.parametrize("layout", NETNS_RANKS)
+def test_namespace_nodes_train_like_one_process_with_bytes_on_the_links_of_the_model(layout, results):
+    """Two network-namespace nodes (their own addresses, a real link between them): the losses and weights of
+    one process, every collective as comm_model requires, and each on the link comm_model.links predicts:
+    with tensor parallelism inside the nodes no tensor-parallel byte crosses them, with the bad mapping they
+    all do and the data-parallel ones stay inside."""
+    out, reference = results
+    if (out / "netns_skipped").exists():
+        pytest.skip((out / "netns_skipped").read_text())
+    losses, weights = reference[3]
+    assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
+    for name, tensor in load_file(out / f"{layout}.safetensors").items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
+    report = comm_audit(out, layout)
+    assert report["ok"], format_report(report)
+    crossing = {r["dim"]: r["bytes"] for r in report["rows"] if r["link"] == "inter-node" and r["bytes"]}
+    inside = {r["dim"]: r["bytes"] for r in report["rows"] if r["link"] == "intra-node" and r["bytes"]}
+    if "across" in layout:
+        assert crossing.keys() >= {"tp"} and "dp" in inside and "tp" not in inside, (crossing, inside)
+    else:
+        assert crossing.keys() >= {"dp"} and "tp" in inside and "tp" not in crossing, (crossing, inside)
+    links = report["links"]
+    assert links["inter-node"]["bytes"] == links["inter-node"]["required_bytes"] == sum(crossing.values())
+    assert links["intra-node"]["bytes"] == links["intra-node"]["required_bytes"] == sum(inside.values())
 
 
 @pytest.mark.parametrize("layout, saved_by", [

@@ -201,3 +201,73 @@ def test_sizes_and_rates_parse_with_their_units():
     assert parse_bandwidth("200GB/s") == 200e9
     with pytest.raises(ConfigError):
         parse_memory("eighty")
+
+
+# -- rank placement and links --------------------------------------------------------------------------------
+def test_mesh_ranks_fill_the_innermost_dimension_with_consecutive_ranks():
+    from itertools import permutations
+
+    from t5forge.parallel.mesh import mesh_ranks
+
+    sizes = {"pp": 2, "dp": 3, "tp": 2}
+    for order in map("-".join, permutations(("tp", "dp", "pp"))):
+        grid = mesh_ranks(sizes["pp"], sizes["dp"], sizes["tp"], order)
+        assert sorted(grid.flatten().tolist()) == list(range(12))
+        # Strides: 1 for the innermost dimension, times each size going outwards (Megatron's order).
+        names, stride, strides = order.split("-"), 1, {}
+        for name in names:
+            strides[name], stride = stride, stride * sizes[name]
+        for p in range(2):
+            for d in range(3):
+                for t in range(2):
+                    assert grid[p, d, t] == p * strides["pp"] + d * strides["dp"] + t * strides["tp"], order
+    assert mesh_ranks(1, 2, 2).tolist() == [[[0, 1], [2, 3]]]  # the default: tp groups {0, 1} and {2, 3}
+    assert mesh_ranks(1, 2, 2, "dp-tp-pp").tolist() == [[[0, 2], [1, 3]]]
+
+
+def test_links_say_which_groups_cross_nodes():
+    from t5forge.parallel.comm_model import Layout, group_ranks, links
+
+    good, bad = Layout(dp=2, tp=2), Layout(dp=2, tp=2, rank_order="dp-tp-pp")
+    assert links(good, ranks_per_node=2) == {"world": "inter-node", "dp": "inter-node", "tp": "intra-node",
+                                             "dp_tp": "inter-node"}
+    assert links(bad, ranks_per_node=2) == {"world": "inter-node", "dp": "intra-node", "tp": "inter-node",
+                                            "dp_tp": "inter-node"}
+    assert set(links(good, ranks_per_node=4).values()) == {"intra-node"}
+    assert group_ranks("tp", bad, 3) == [1, 3] and group_ranks("dp", bad, 3) == [2, 3]
+    # pp2 x dp2 on nodes of 2: the stages are on different nodes, data parallelism inside each.
+    assert links(Layout(dp=2, pp=2, pp_layers=(1, 1)), ranks_per_node=2, rank=3) == {
+        "world": "inter-node", "pp": "inter-node", "dp": "intra-node", "pp_dp": "inter-node"}
+
+
+def test_the_planner_times_tensor_parallelism_across_nodes_on_the_network(wide):
+    from t5forge.parallel.planner import parse_layout
+
+    cluster = make_cluster(4, "A100", 2, inter_node=parse_bandwidth("100Gbps"))
+    planner = Planner(wide, cluster, WORKLOAD)
+    assert parse_layout("dp2_tp2_zero1_mb2_dp-tp-pp")["rank_order"] == "dp-tp-pp"
+    good = planner.explain("dp2_tp2_zero1_mb2")
+    bad = planner.explain("dp2_tp2_zero1_mb2_dp-tp-pp")
+    assert bad.candidate.name == "dp2_tp2_pp1_zero1_mb2_acnone_dp-tp-pp"
+
+    def groups(p):
+        return {(c["kind"], c["dim"]): c["group"] for c in p.collectives}
+
+    assert groups(good)[("all_reduce", "tp")] == "in a node" and groups(good)[("reduce_scatter", "dp")] == "across nodes"
+    assert groups(bad)[("all_reduce", "tp")] == "across nodes" and groups(bad)[("reduce_scatter", "dp")] == "in a node"
+    # Each placement sends its crossing dimension's bytes through the NIC, the other's over NVLink.
+    tp_wire, dp_wire = good.dim_bytes["tp"], good.dim_bytes["dp"]
+    assert good.link_bytes["inter_node"] == pytest.approx(dp_wire + good.dim_bytes.get("dp_tp", 0.0) / 2)
+    assert bad.link_bytes["inter_node"] == pytest.approx(tp_wire + bad.dim_bytes.get("dp_tp", 0.0) / 2)
+    assert bad.step_s > good.step_s  # tensor parallelism's activations over the slower link
+
+
+def test_gloo_reduce_scatter_moves_an_all_reduce_worth_of_bytes(wide):
+    from dataclasses import replace
+
+    c = Candidate(dp=4, zero_stage=1, micro_batch_size=4)
+    nccl = Planner(wide, make_cluster(4, "A100", 4), WORKLOAD)
+    gloo = Planner(wide, replace(nccl.cluster, backend="gloo"), WORKLOAD)  # ProcessGroupGloo: an all-reduce
+    scatter = next(r for r in nccl.requirements(c, 0) if r.kind == "reduce_scatter")
+    assert nccl.collective_time(scatter, c)[1] == ring_bytes("reduce_scatter", 4, scatter.nbytes)
+    assert gloo.collective_time(scatter, c)[1] == ring_bytes("all_reduce", 4, scatter.nbytes)

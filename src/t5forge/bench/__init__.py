@@ -30,6 +30,11 @@ def _planner(output_dir, work_dir) -> dict:
     return run_planner_benchmark(output_dir, work_dir)
 
 
+def _cluster(output_dir, work_dir) -> dict:
+    from t5forge.bench.cluster import run_cluster_benchmark
+    return run_cluster_benchmark(output_dir, work_dir)
+
+
 def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no corpus
     from t5forge.bench.generate import run_generate_benchmark
     return run_generate_benchmark(output_dir)
@@ -42,6 +47,9 @@ SUITES = {
     "comm": (_comm, "communication audit of a 12-layer hidden-768 T5 on 1 and 2 'nodes' of 4 processes"),
     "pipeline": (_pipeline, "step time and idle share per stage of pp2/pp4 for each schedule and several "
                  "micro-batch counts, against the theoretical bubble"),
+    "cluster": (_cluster, "LiBai's 1n4g against 2n2g on network namespaces joined by a shaped link (T5 and mT5 "
+                "vocabularies, a tensor-parallel-across-nodes mapping), measured step time and bytes per link "
+                "against the planner's prediction"),
     "generate": (_generate, "greedy and beam-4 tokens/s against transformers' generate"),
     "planner": (_planner, "the layout planner's predictions beside published T5X and LiBai runs, its planning time "
                 "for mT5-xxl on 1024 GPUs, and the LiBai users' questions it answers"),

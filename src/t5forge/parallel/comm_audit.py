@@ -22,11 +22,17 @@ match are counted, never lost silently: a collective issued but not waited for i
 (`unwaited`), and a wait on a collective issued elsewhere (`unmatched_waits`, timed but unattributed).
 
 Bytes are the logical payload per rank: the full buffer of an all-reduce, the gathered output of an
-all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv."""
+all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv.
+
+Links: every collective is labelled intra-node or inter-node from the nodes of its group's actual members
+(the node of each rank: torchrun's GROUP_RANK, gathered once), and compared with comm_model.links, which
+derives the same from the layout and the ranks per node: a tensor-parallel group that the placement
+(parallel.rank_order) spreads over nodes shows up as tensor-parallel bytes on the inter-node link."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,6 +43,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from t5forge.parallel.comm_model import INTER_NODE, INTRA_NODE
 from t5forge.parallel.timing import SpanTimer
 
 # op name (without overload) -> collective type, for both namespaces.
@@ -100,6 +107,7 @@ class Collective:
     nbytes: int
     exposed_s: float = 0.0
     waited: bool = False  # its wait (Work.wait, wait_tensor) was seen and timed inside the span
+    link: str | None = None  # comm_model.INTRA_NODE / INTER_NODE, from its group's members; None: nodes unknown
 
     def add_exposed(self, seconds: float) -> None:
         self.exposed_s += seconds
@@ -133,6 +141,16 @@ class StepRecord:
             entry["bytes"] += c.nbytes
             entry["exposed_s"] += c.exposed_s
             entry["unwaited"] += not c.waited
+        return dict(out)
+
+    def by_link(self) -> dict[tuple[str, str, str], dict]:
+        """{(type, mesh dim, link): {count, bytes}} of the collectives whose link is known."""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+        for c in self.collectives:
+            if c.link is not None:
+                entry = out[(c.kind, c.dim, c.link)]
+                entry["count"] += 1
+                entry["bytes"] += c.nbytes
         return dict(out)
 
     def by_phase(self) -> dict[tuple[str, str, str], dict]:
@@ -197,14 +215,29 @@ def _handle_key(handle) -> tuple:
     return "work", id(handle)
 
 
+def node_of_ranks() -> list[int]:
+    """The node of every rank (torchrun's GROUP_RANK; 0 without torchrun), gathered: collective, on every rank,
+    host-side (once per audit, outside the step)."""
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
+    return nodes
+
+
+def ranks_per_node() -> int:
+    """Ranks on each node (torchrun's LOCAL_WORLD_SIZE; the job's size without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """While active, records every collective (see the module docstring) into `self.record`. `phase` is set
-    by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`)."""
+    by the trainer (and by hooks on the encoder and decoder that the recorder installs on `model`). `nodes`:
+    the node of each global rank (`node_of_ranks`), to label collectives by the links their groups cross."""
 
-    def __init__(self, dims: dict[frozenset[int], str], device: torch.device, model: torch.nn.Module | None = None):
+    def __init__(self, dims: dict[frozenset[int], str], device: torch.device, model: torch.nn.Module | None = None,
+                 nodes: list[int] | None = None):
         super().__init__()
-        self.dims, self.model = dims, model
-        self._labels: dict[str, str] = {}  # group name -> mesh dim
+        self.dims, self.model, self.nodes = dims, model, nodes
+        self._labels: dict[str, tuple[str, str | None]] = {}  # group name -> (mesh dim, link)
         self.phase = "bookkeeping"
         self.record = StepRecord()
         self.timer = SpanTimer(device)
@@ -214,13 +247,16 @@ class CollectiveRecorder(TorchDispatchMode):
         self._scope: contextlib.ExitStack | None = None  # what __enter__ set up, undone by __exit__
         self._start = 0.0
 
-    def _dim(self, group_name: str) -> str:
-        """The mesh dimension of a process group (by name), from its members."""
+    def _labels_of(self, group_name: str) -> tuple[str, str | None]:
+        """(mesh dimension, link) of a process group (by name), from its members."""
         if group_name not in self._labels:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
-            self._labels[group_name] = self.dims.get(frozenset(ranks), f"ranks {sorted(ranks)}")
+            link = None
+            if self.nodes is not None:
+                link = INTER_NODE if len({self.nodes[r] for r in ranks}) > 1 else INTRA_NODE
+            self._labels[group_name] = (self.dims.get(frozenset(ranks), f"ranks {sorted(ranks)}"), link)
         return self._labels[group_name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -236,11 +272,12 @@ class CollectiveRecorder(TorchDispatchMode):
             kind = C10D_OPS[name]
             group = next(a for a in args if isinstance(a, torch.ScriptObject)
                          and "ProcessGroup" in str(a._type()))
-            group_name = dist.ProcessGroup.unbox(group).group_name
-            collective = Collective(kind, self._dim(group_name), self.phase, _c10d_bytes(kind, name, args))
+            dim, link = self._labels_of(dist.ProcessGroup.unbox(group).group_name)
+            collective = Collective(kind, dim, self.phase, _c10d_bytes(kind, name, args), link=link)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in FUNCTIONAL_OPS:
             kind = FUNCTIONAL_OPS[name]
-            collective = Collective(kind, self._dim(args[-1]), self.phase, _functional_bytes(kind, args))
+            dim, link = self._labels_of(args[-1])
+            collective = Collective(kind, dim, self.phase, _functional_bytes(kind, args), link=link)
         elif namespace == "_c10d_functional" and name == "wait_tensor":
             started = self.timer.start()
             out = func(*args, **kwargs)
@@ -317,21 +354,26 @@ def record_to_dict(record: StepRecord) -> dict:
     return {"step_s": record.step_s, "unmatched_waits": record.unmatched_waits,
             "unmatched_wait_s": record.unmatched_wait_s,
             "totals": [{"collective": k, "dim": d, **v} for (k, d), v in sorted(record.totals().items())],
+            "links": [{"collective": k, "dim": d, "link": link, **v}
+                      for (k, d, link), v in sorted(record.by_link().items())],
             "phases": [{"phase": p, "collective": k, "dim": d, **v}
                        for (p, k, d), v in sorted(record.by_phase().items(), key=lambda i: PHASES.index(i[0][0]))]}
 
 
 def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]], samples_per_step: int,
-                 layout: dict) -> dict:
+                 layout: dict, required_links: list[dict[str, str]] | None = None) -> dict:
     """Compare every rank's measured totals with its required ones. `ranks`: record_to_dict of each rank;
     `required`: each rank's {(collective, dim): {count, bytes}} (comm_model.totals). A row per (collective,
     dim) that was measured or required: rank 0's count and bytes beside its requirement, the exposed time
     averaged over ranks and its share of the step, and how many of its collectives were not seen waited for
     (`unwaited`, summed over ranks: their exposed time is only that of the call). `totals` also counts
     the waits on collectives issued outside the step (`unmatched_waits`, all ranks) and their time
-    (`unmatched_wait_ms`, averaged over ranks), exposed but in no row. `ok` is true only if every rank issued
-    exactly its requirement."""
+    (`unmatched_wait_ms`, averaged over ranks), exposed but in no row. `required_links`: each rank's
+    {mesh dims: link} (comm_model.links); with it (and links recorded), every row names its link, `links`
+    sums rank 0's bytes per link, measured and required, and a collective on another link than required is
+    a difference. `ok` is true only if every rank issued exactly its requirement, on the required links."""
     measured = [{(t["collective"], t["dim"]): t for t in r["totals"]} for r in ranks]
+    linked = required_links is not None and all("links" in r for r in ranks)
     keys = sorted({k for need in required for k in need} | {k for m in measured for k in m})
     step_s = sum(r["step_s"] for r in ranks) / len(ranks)
     zero = {"count": 0, "bytes": 0, "exposed_s": 0.0, "unwaited": 0}
@@ -345,6 +387,14 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
                                     "required_bytes": need["bytes"]})
         got, need = measured[0].get(key, zero), required[0].get(key, {"count": 0, "bytes": 0})
         exposed = sum(m.get(key, zero)["exposed_s"] for m in measured) / len(measured)
+        if linked:
+            for rank, r in enumerate(ranks):
+                want = required_links[rank].get(key[1])
+                for t in r["links"]:
+                    # (a dimension without a required link has no requirement: its count differs already)
+                    if (t["collective"], t["dim"]) == key and want is not None and t["link"] != want:
+                        differences.append({"rank": rank, "collective": key[0], "dim": key[1], "count": t["count"],
+                                            "bytes": t["bytes"], "link": t["link"], "required_link": want})
         rows.append({"collective": key[0], "dim": key[1], "count": got["count"], "bytes": got["bytes"],
                      "required_count": need["count"], "required_bytes": need["bytes"],
                      "ratio": got["bytes"] / need["bytes"] if need["bytes"] else (1.0 if not got["bytes"] else None),
@@ -354,6 +404,13 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
     total_required = sum(r["required_bytes"] for r in rows)
     exposed_s = sum(r["exposed_ms"] for r in rows) / 1e3
     all_ranks_bytes = sum(t["bytes"] for m in measured for t in m.values())
+    links = None
+    if linked:
+        for row in rows:
+            row["link"] = required_links[0].get(row["dim"])
+        links = {link: {"bytes": sum(t["bytes"] for t in ranks[0]["links"] if t["link"] == link),
+                        "required_bytes": sum(r["required_bytes"] for r in rows if r["link"] == link)}
+                 for link in (INTRA_NODE, INTER_NODE)}
     return {
         "layout": layout, "ok": not differences, "differences": differences, "rows": rows,
         "step_ms": step_s * 1e3, "phases": ranks[0]["phases"],
@@ -366,6 +423,7 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
                    "unmatched_wait_ms": sum(r["unmatched_wait_s"] for r in ranks) / len(ranks) * 1e3},
         # All ranks' bytes of one step over the samples of the global batch.
         "bytes_per_sample": all_ranks_bytes / samples_per_step,
+        "links": links,
     }
 
 
@@ -380,21 +438,23 @@ def _size(nbytes: float) -> str:
 def format_report(report: dict) -> str:
     """The report as a markdown table (readable in a terminal, pasteable into notes)."""
     layout = ", ".join(f"{k}={v}" for k, v in report["layout"].items())
+    linked = bool(report.get("links"))
     lines = [f"communication audit of one step ({layout}); per rank, rank 0's collectives, exposed time "
              "averaged over ranks",
-             "| collective | mesh dim | count | bytes | required count | required bytes | ratio | exposed ms "
-             "| share of step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| collective | mesh dim |" + (" link |" if linked else "") + " count | bytes | required count | "
+             "required bytes | ratio | exposed ms | share of step |",
+             "|---|---|" + ("---|" if linked else "") + "---:|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(r):
         return "-" if r is None else f"{r:.2f}"
 
     for r in report["rows"]:
-        lines.append(f"| {r['collective']} | {r['dim']} | {r['count']} | {_size(r['bytes'])} | {r['required_count']} | "
+        link = f" {r.get('link') or '-'} |" if linked else ""
+        lines.append(f"| {r['collective']} | {r['dim']} |{link} {r['count']} | {_size(r['bytes'])} | {r['required_count']} | "
                      f"{_size(r['required_bytes'])} | {ratio(r['ratio'])} | {r['exposed_ms']:.1f} | "
                      f"{100 * r['share']:.1f}% |")
     t = report["totals"]
-    lines.append(f"| **total** | | {t['count']} | {_size(t['bytes'])} | {t['required_count']} | "
+    lines.append(f"| **total** | |{' |' if linked else ''} {t['count']} | {_size(t['bytes'])} | {t['required_count']} | "
                  f"{_size(t['required_bytes'])} | {ratio(t['ratio'])} | {t['exposed_ms']:.1f} | "
                  f"{100 * t['share']:.1f}% |")
     lines.append(f"step {report['step_ms']:.0f} ms; {_size(report['bytes_per_sample'])} per sample (all ranks); "
@@ -403,20 +463,30 @@ def format_report(report: dict) -> str:
         lines.append(f"waits not timed: {t['unwaited']} collective(s) (all ranks) not waited for inside the step, "
                      f"so their exposed ms count the call only; {t['unmatched_waits']} wait(s) on collectives "
                      f"issued elsewhere took {t['unmatched_wait_ms']:.1f} ms (averaged over ranks), in no row")
+    if report.get("links"):
+        lines.append("per link (rank 0): " + "; ".join(
+            f"{link} {_size(v['bytes'])} (required {_size(v['required_bytes'])})"
+            for link, v in report["links"].items()))
     for d in report["differences"][:20]:
-        lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
-                     f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
+        if "link" in d:
+            lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: {d['count']} x / {d['bytes']} B "
+                         f"crossed the {d['link']} link, required {d['required_link']}")
+        else:
+            lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
+                         f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
     return "\n".join(lines)
 
 
 def audit(step, mesh, required: dict[tuple[str, str], dict], context: dict, samples_per_step: int,
-               model: torch.nn.Module | None = None, listeners: list | None = None):
+          model: torch.nn.Module | None = None, listeners: list | None = None,
+          required_links: dict[str, str] | None = None):
     """Run `step()` (one training step) with every collective recorded, and compare the records of every rank
-    with what each requires (`required`: {(collective, mesh dim): {count, bytes}}, from comm_model). Every rank
-    takes part (the records are gathered). `model`: its forward phases are told apart (None for a pipeline,
-    whose schedule interleaves them); `listeners`: the step's phase listeners, the recorder joins them for the
-    step. Returns the step's result and the report (see build_report)."""
-    recorder = CollectiveRecorder(mesh_dims(mesh), mesh.device, model)
+    with what each requires (`required`: {(collective, mesh dim): {count, bytes}}, from comm_model; and
+    `required_links`: {mesh dims: link}, comm_model.links). Every rank takes part (the records are gathered).
+    `model`: its forward phases are told apart (None for a pipeline, whose schedule interleaves them);
+    `listeners`: the step's phase listeners, the recorder joins them for the step. Returns the step's result
+    and the report (see build_report)."""
+    recorder = CollectiveRecorder(mesh_dims(mesh), mesh.device, model, node_of_ranks())
     listeners = listeners if listeners is not None else []
     listeners.append(recorder)
     try:
@@ -424,7 +494,8 @@ def audit(step, mesh, required: dict[tuple[str, str], dict], context: dict, samp
             result = step()
     finally:
         listeners.remove(recorder)
-    gathered = [None] * dist.get_world_size()  # (measured, required) of every rank
-    dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items())))
-    report = build_report([m for m, _ in gathered], [dict(r) for _, r in gathered], samples_per_step, context)
+    gathered = [None] * dist.get_world_size()  # (measured, required, required links) of every rank
+    dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items()), required_links))
+    report = build_report([m for m, _, _ in gathered], [dict(r) for _, r, _ in gathered], samples_per_step, context,
+                          None if required_links is None else [links for _, _, links in gathered])
     return result, report

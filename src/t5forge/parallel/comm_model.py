@@ -61,10 +61,16 @@ are summed in one all-reduce per set of ranks, over pp.
 Bookkeeping, once per step: the target-token count over dp and the loss sum over pp and dp (fp64 scalars:
 the loss is on the last stage); the squared gradient norm over the ranks among which gradients are split
 (an fp32 scalar, over pp and tp and, with ZeRO 1-3, dp). No collective runs over a mesh dimension of
-size 1."""
+size 1.
+
+Links: a collective's group crosses nodes when its ranks are on more than one node; torchrun numbers a
+node's ranks consecutively (node = rank // ranks per node) and parallel.rank_order places the mesh on the
+ranks (mesh.mesh_ranks). `group_ranks` and `links` say, for a rank, which of its groups cross; the audit
+labels the collectives it records by the nodes of their groups' actual members and compares."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -75,6 +81,7 @@ from t5forge.errors import ConfigError
 from t5forge.models.loss import CHUNK_LOGITS, MIN_CHUNK_TOKENS, chunk_tokens_for
 from t5forge.models.t5 import T5Config
 from t5forge.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partition_buckets, section_ranges, shard_section
+from t5forge.parallel.mesh import MESH_DIMS, mesh_ranks
 from t5forge.parallel.pipeline import (
     StageSpec,
     boundary_shapes,
@@ -107,6 +114,7 @@ class Layout:
     chunk_logits: int = CHUNK_LOGITS  # the fused loss's logits per chunk on the device (loss.chunk_logits_for)
     pp_schedule: str = "1f1b"  # parallel.pp_schedule (memory: micro-batches in flight; time: the bubble)
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved_1f1b: parallel.pp_stages_per_rank)
+    rank_order: str = "tp-dp-pp"  # parallel.rank_order: how ranks fill the mesh (links: which groups cross nodes)
 
 
 @dataclass(frozen=True)
@@ -357,6 +365,32 @@ def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec], loc
         if len(holders[name]) > 1:
             per_set[holders[name]] += math.prod(_local_shape(name, shape, layout.tp))
     return [per_set[k] for k in sorted(per_set)]
+
+
+INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
+
+
+def group_ranks(dims: str, layout: Layout, rank: int) -> list[int]:
+    """The global ranks of the group over mesh dims `dims` ("dp", "pp_dp", ...; "world": every rank) that
+    holds `rank`, the mesh placed by layout.rank_order."""
+    grid = mesh_ranks(layout.pp, layout.dp, layout.tp, layout.rank_order)
+    if dims == "world":
+        return grid.flatten().tolist()
+    where = (grid == rank).nonzero()[0].tolist()  # rank's (pp, dp, tp) coordinates
+    index = tuple(slice(None) if d in dims.split("_") else where[i] for i, d in enumerate(MESH_DIMS))
+    return sorted(grid[index].flatten().tolist())
+
+
+def links(layout: Layout, ranks_per_node: int, rank: int = 0) -> dict[str, str]:
+    """{mesh dims of a collective (as Requirement.dim names them): INTRA_NODE or INTER_NODE} for the groups
+    of `rank`, nodes of `ranks_per_node` consecutive ranks (torchrun's numbering)."""
+    names = [d for d in MESH_DIMS if getattr(layout, d) > 1]
+    out = {"world": INTER_NODE if layout.dp * layout.tp * layout.pp > ranks_per_node else INTRA_NODE}
+    for size in range(1, len(names) + 1):
+        for dims in itertools.combinations(names, size):
+            nodes = {r // ranks_per_node for r in group_ranks("_".join(dims), layout, rank)}
+            out["_".join(dims)] = INTER_NODE if len(nodes) > 1 else INTRA_NODE
+    return out
 
 
 def totals(requirements: list[Requirement]) -> dict[tuple[str, str], dict]:

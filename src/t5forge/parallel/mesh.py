@@ -1,5 +1,5 @@
-"""The device mesh: (pp, dp, tp) from the torchrun environment, tp innermost so that a tensor-parallel
-group stays inside one node. `init_distributed` is the one place a process finds its device and joins the
+"""The device mesh: (pp, dp, tp) from the torchrun environment, tp innermost by default so that a
+tensor-parallel group stays inside one node (parallel.rank_order chooses another placement: `mesh_ranks`). `init_distributed` is the one place a process finds its device and joins the
 default process group: on GPUs the group serves both devices ("cpu:gloo,cuda:nccl", parallel.backend=auto):
 every per-step collective runs on the GPU through NCCL, and the occasional host-side one (the object
 collectives around checkpoint files, set-up checks) still works through gloo; gloo alone on CPUs. A single
@@ -29,6 +29,16 @@ from t5forge.models.t5 import T5Config
 from t5forge.parallel.tensor_parallel import check_tp_divides
 
 MESH_DIMS = ("pp", "dp", "tp")
+
+
+def mesh_ranks(pp: int, dp: int, tp: int, rank_order: str = "tp-dp-pp") -> torch.Tensor:
+    """[pp, dp, tp] -> global rank, ranks filling the dimensions of `rank_order` innermost first (Megatron-core's
+    RankGenerator order): with "tp-dp-pp", ranks 0..tp-1 form the first tensor-parallel group. torchrun numbers
+    a node's ranks consecutively, so the innermost dimension's groups stay inside nodes."""
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    outer_first = rank_order.split("-")[::-1]
+    grid = torch.arange(pp * dp * tp).reshape([sizes[d] for d in outer_first])
+    return grid.permute([outer_first.index(d) for d in MESH_DIMS]).contiguous()
 
 
 def world_size_from_env() -> int:
@@ -211,9 +221,15 @@ def check_gloo_on_gpus(parallel: ParallelConfig) -> None:
 
 
 def build_mesh(parallel: ParallelConfig) -> Mesh:
-    """Initialise the process group (unless one exists: `init_distributed`) and the (pp, dp, tp) mesh."""
+    """Initialise the process group (unless one exists: `init_distributed`) and the (pp, dp, tp) mesh, its
+    ranks placed by parallel.rank_order (`mesh_ranks`)."""
     if parallel.backend == "gloo" and torch.cuda.is_available():
         check_gloo_on_gpus(parallel)
     device, owns = init_distributed(parallel)
-    mesh = init_device_mesh(device.type, (parallel.pp, parallel.dp, parallel.tp), mesh_dim_names=MESH_DIMS)
+    shape = (parallel.pp, parallel.dp, parallel.tp)
+    if parallel.rank_order == ParallelConfig.rank_order:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    else:
+        with unset_fake_temporarily():  # the ranks are a real tensor, also in a dry run
+            mesh = DeviceMesh(device.type, mesh_ranks(*shape, parallel.rank_order), mesh_dim_names=MESH_DIMS)
     return Mesh(mesh=mesh, device=device, owns_process_group=owns)

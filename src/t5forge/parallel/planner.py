@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from t5forge.config import ParallelConfig, batch_arithmetic
+from t5forge.config import RANK_ORDERS, ParallelConfig, batch_arithmetic
 from t5forge.errors import ConfigError
 from t5forge.models.flops import (
     ACHIEVABLE_MFU,
@@ -60,7 +60,7 @@ from t5forge.models.flops import (
 from t5forge.models.loss import BYTES_PER_LOGIT, CHUNK_LOGITS, CHUNK_MEMORY_SHARE, CUDA_CHUNK_LOGITS
 from t5forge.models.presets import get_preset
 from t5forge.models.t5 import T5Config
-from t5forge.parallel.comm_model import Layout, Requirement, Shapes, check_covered, step_requirements
+from t5forge.parallel.comm_model import Layout, Requirement, Shapes, check_covered, group_ranks, step_requirements
 from t5forge.parallel.memory_model import CATEGORIES, MemoryEstimate, estimate_memory
 from t5forge.parallel.mesh import check_layout
 from t5forge.parallel.pipeline import block_costs, check_schedule, rank_stages, split_blocks, stage_specs
@@ -74,6 +74,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 INTERLEAVED_STAGES = 2  # stages per rank of the interleaved schedule the planner tries
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n}
+# gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole input (ProcessGroupGloo).
+GLOO_RING = {**RING, "reduce_scatter": RING["all_reduce"]}
 # Labels of the step-time parts, in the order a step is explained.
 PARTS = {"compute": "compute", "tp": "tensor-parallel communication", "p2p": "pipeline sends",
          "bubble": "pipeline bubble", "dp": "exposed data-parallel communication", "other": "other collectives"}
@@ -113,7 +115,10 @@ def parse_bandwidth(text: str) -> float:
 @dataclass(frozen=True)
 class Cluster:
     """`gpus` GPUs of one kind, `gpus_per_node` to a node; memory in bytes per GPU, bandwidths in bytes/s
-    per GPU and direction, `peak` the dense FLOP/s of `precision`."""
+    per GPU and direction, `peak` the dense FLOP/s of `precision`. Measured machines (the CPU "cluster" of
+    `t5forge bench cluster`) give what was measured instead of the defaults: `rate`, the FLOP/s a rank
+    achieves (default: peak x ACHIEVABLE_MFU), the latencies per hop (`alpha_intra`, `alpha_inter`) and
+    the collective library (`backend`, whose algorithms set the bytes on the wire)."""
 
     gpus: int
     gpus_per_node: int
@@ -123,6 +128,10 @@ class Cluster:
     inter_node: float
     peak: float
     precision: str
+    rate: float | None = None
+    alpha_intra: float = ALPHA_INTRA
+    alpha_inter: float = ALPHA_INTER
+    backend: str = "nccl"
 
     @property
     def nodes(self) -> int:
@@ -181,6 +190,7 @@ class Candidate:
     activation_checkpointing: str = "none"
     micro_batch_size: int = 1
     pp_schedule: str = "1f1b"
+    rank_order: str = RANK_ORDERS[0]  # parallel.rank_order; the search keeps the default (tp inside nodes)
 
     @property
     def stages_per_rank(self) -> int:
@@ -194,6 +204,8 @@ class Candidate:
             parts.append("sp")
         if self.pp > 1:
             parts.append(self.pp_schedule)
+        if self.rank_order != RANK_ORDERS[0]:
+            parts.append(self.rank_order)
         return "_".join(parts)
 
 
@@ -218,9 +230,12 @@ def parse_layout(text: str) -> dict:
             fields["sequence_parallel"] = True
         elif part in SCHEDULES or part == "interleaved":
             fields["pp_schedule"] = "interleaved_1f1b" if part == "interleaved" else part
+        elif part in RANK_ORDERS:
+            fields["rank_order"] = part
         else:
             raise ConfigError(f"layout {text!r}: {part!r} is not one of dp<N> tp<N> pp<N> zero<N> mb<N> "
-                              f"ac{{{','.join(AC_MODES)}}} sp {' '.join(SCHEDULES)}")
+                              f"ac{{{','.join(AC_MODES)}}} sp {' '.join(SCHEDULES)} or a rank order "
+                              f"({', '.join(RANK_ORDERS)})")
     if "dp" not in fields:
         raise ConfigError(f"layout {text!r} needs dp<N> (for example dp2_tp2_pp1_zero2_mb16_acfull)")
     if any(fields.get(k, 1) < 1 for k in ("dp", "tp", "pp", "micro_batch_size")):
@@ -327,7 +342,8 @@ class Planner:
         if min(S, T, workload.global_batch) < 1:
             raise ConfigError("--global-batch, --inputs-length and --targets-length must be at least 1")
         self.flops_per_sample = training_flops_per_sample(config, S, T)
-        self.rate = cluster.peak * ACHIEVABLE_MFU
+        self.rate = cluster.rate if cluster.rate is not None else cluster.peak * ACHIEVABLE_MFU
+        self.ring = GLOO_RING if cluster.backend == "gloo" else RING
         self._costs = block_costs(config, S, T)
         self._blocks = config.num_layers + config.num_decoder_layers
         self._splits: dict[tuple[int, str], list[int]] = {}
@@ -343,7 +359,7 @@ class Planner:
         return ParallelConfig(dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage,
                               sequence_parallel=c.sequence_parallel,
                               activation_checkpointing=c.activation_checkpointing, pp_schedule=c.pp_schedule,
-                              pp_stages_per_rank=INTERLEAVED_STAGES)
+                              pp_stages_per_rank=INTERLEAVED_STAGES, rank_order=c.rank_order)
 
     def check(self, c: Candidate) -> None:
         """Raise ConfigError, naming what to change, for a layout that cannot run this model on this cluster
@@ -368,16 +384,18 @@ class Planner:
 
     def layout(self, c: Candidate) -> Layout:
         """The layout as comm_model and the memory model take it (train/build.comm_layout's mapping, with the
-        defaults of a run config: the fused loss on, NCCL, the fused loss's chunks on this GPU's memory)."""
+        defaults of a run config: the fused loss on, the cluster's backend, the fused loss's chunks on this GPU's
+        memory)."""
         fused = c.tp == 1  # train.fused_loss, except with a vocab-parallel head (build.fused_head_loss)
         chunk = max(CHUNK_LOGITS, min(CUDA_CHUNK_LOGITS,  # loss.chunk_logits_for on a GPU of this memory
                                       self.cluster.memory // (CHUNK_MEMORY_SHARE * BYTES_PER_LOGIT)))
         return Layout(dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, sequence_parallel=c.sequence_parallel,
-                      backend="nccl", precision=self.cluster.precision,
+                      backend=self.cluster.backend, precision=self.cluster.precision,
                       activation_checkpointing=c.activation_checkpointing,
                       pp_layers=tuple(self._split(c)) if c.pp > 1 else (), fused_head_loss=fused,
                       vocab_over_dp=c.zero_stage == 3 and c.dp > 1 and c.tp == 1 and c.pp == 1 and fused,
-                      chunk_logits=chunk, pp_schedule=c.pp_schedule, pp_stages_per_rank=c.stages_per_rank)
+                      chunk_logits=chunk, pp_schedule=c.pp_schedule, pp_stages_per_rank=c.stages_per_rank,
+                      rank_order=c.rank_order)
 
     def shapes(self, c: Candidate) -> Shapes:
         _, accumulation = batch_arithmetic(self.workload.global_batch, c.micro_batch_size, c.dp)
@@ -465,13 +483,10 @@ class Planner:
 
     def _group(self, dims: str, c: Candidate) -> tuple[int, int, bool]:
         """(ranks, ranks per node, whether it spans nodes) of the group over mesh dims `dims` (e.g. "dp",
-        "pp_dp") that holds rank 0, ranks placed (pp, dp, tp) with tp innermost."""
-        key = (dims, c.dp, c.tp, c.pp)
+        "pp_dp") that holds rank 0, ranks placed by the layout's rank order (comm_model.group_ranks)."""
+        key = (dims, c.dp, c.tp, c.pp, c.rank_order)
         if key not in self._groups:
-            sizes, strides = {"pp": c.pp, "dp": c.dp, "tp": c.tp}, {"tp": 1, "dp": c.tp, "pp": c.tp * c.dp}
-            names = dims.split("_")
-            ranks = [sum(i * strides[d] for i, d in zip(index, names))
-                     for index in itertools.product(*(range(sizes[d]) for d in names))]
+            ranks = group_ranks(dims, Layout(dp=c.dp, tp=c.tp, pp=c.pp, rank_order=c.rank_order), 0)
             nodes = Counter(r // self.cluster.gpus_per_node for r in ranks)
             self._groups[key] = (len(ranks), max(nodes.values()), len(nodes) > 1)
         return self._groups[key]
@@ -484,13 +499,13 @@ class Planner:
         counted at its sender."""
         dims = "pp" if r.kind in ("send", "recv") else r.dim
         n, per_node, crosses = self._group(dims, c)
-        alpha = ALPHA_INTER if crosses else ALPHA_INTRA
+        alpha = self.cluster.alpha_inter if crosses else self.cluster.alpha_intra
         if r.kind in ("send", "recv"):
             if r.kind == "send":
                 return 0.0, 0.0 if crosses else float(r.nbytes), float(r.nbytes) if crosses else 0.0
             bandwidth = min(self.cluster.intra_node, self.cluster.inter_node) if crosses else self.cluster.intra_node
             return r.count * alpha + r.nbytes / bandwidth, 0.0, 0.0
-        wire = RING.get(r.kind, lambda _: 1.0)(n) * r.nbytes
+        wire = self.ring.get(r.kind, lambda _: 1.0)(n) * r.nbytes
         hops = math.ceil(math.log2(n)) * (2 if r.kind == "all_reduce" else 1)
         if not crosses:
             return r.count * hops * alpha + wire / self.cluster.intra_node, wire, 0.0

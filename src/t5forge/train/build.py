@@ -188,7 +188,7 @@ def comm_layout(run: RunConfig, pp_layers: list[int] | None, device: torch.devic
                   activation_checkpointing=p.activation_checkpointing, pp_layers=tuple(pp_layers or ()),
                   fused_head_loss=fused, vocab_over_dp=shards_vocabulary_over_dp(p, fused),
                   chunk_logits=chunk_logits_for(device), pp_schedule=p.pp_schedule,
-                  pp_stages_per_rank=num_stages(p) // p.pp)
+                  pp_stages_per_rank=num_stages(p) // p.pp, rank_order=p.rank_order)
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from t5forge.config import RunConfig, load_config, to_yaml
+from t5forge.config import ParallelConfig, RunConfig, load_config, to_yaml
 from t5forge.data.loader import build_loader
 from t5forge.errors import ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.models.flops import training_flops_per_sample
 from t5forge.models.loss import token_loss_sum
 from t5forge.models.summary import human_count, summarize
-from t5forge.parallel.comm_audit import audit, format_report
+from t5forge.parallel.comm_audit import audit, format_report, ranks_per_node
 from t5forge.parallel.comm_model import Layout, Shapes, step_requirements
+from t5forge.parallel.comm_model import links as comm_links
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
@@ -211,8 +212,9 @@ class Trainer:
 
     def layout(self) -> dict:
         p = self.parallel
+        placement = {} if p.rank_order == ParallelConfig.rank_order else {"rank_order": p.rank_order}
         return {"world_size": dist.get_world_size(), "dp": p.dp, "tp": p.tp, "pp": p.pp,
-                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
+                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel, **placement}
 
     def describe_vocabulary(self) -> str:
         """Where the embedding's and the head's rows are, and the padding or uneven split of the layout."""
@@ -443,9 +445,10 @@ class Trainer:
         context = {**self.layout(), "micro_batch_size": plan.micro_batch_size, "accumulation": plan.accumulation,
                    "precision": self.precision, "step": self.state.step + 1}
         # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
+        required_links = comm_links(self.audit_layout, ranks_per_node(), self.mesh.rank)
         loss, report = audit(lambda: self.train_step(micro_batches), self.mesh, required, context,
                              plan.global_batch_size, self.model if self.pipeline is None else None,
-                             self.phase_listeners)
+                             self.phase_listeners, required_links)
         self.echo(format_report(report))
         if self.mesh.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
