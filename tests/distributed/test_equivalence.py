@@ -162,7 +162,7 @@ def run_on_namespaces(cases: dict, dataset_prefix, tokenizer_dir, out: Path) -> 
     specs = [f"{name}={spec.replace('OUT', str(out))}" for name, spec in cases.items()]
     with NetnsCluster(2, rate="1gbit") as cluster:
         agents = cluster.launch(["layouts", str(dataset_prefix), str(tokenizer_dir), str(out), *specs], 2,
-                                capture=True, scratch=out, share_cores=True, env={"PYTHONPATH": str(HERE)})
+                                capture=True, scratch=out, share_cores=True, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
     for agent in agents:
         assert agent.returncode == 0, agent.stderr[-5000:]
 
