@@ -406,8 +406,9 @@ def test_namespace_nodes_train_like_one_process_with_bytes_on_the_links_of_the_m
         torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=f"{layout}: {name}")
     report = comm_audit(out, layout)
     assert report["ok"], format_report(report)
-    crossing = {r["dim"]: r["bytes"] for r in report["rows"] if r["link"] == "inter-node" and r["bytes"]}
-    inside = {r["dim"]: r["bytes"] for r in report["rows"] if r["link"] == "intra-node" and r["bytes"]}
+    # Measured: the links rank 0's collectives crossed (from their groups' members and the ranks' nodes).
+    crossing = {r["dim"]: r["bytes"] for r in report["link_rows"] if r["link"] == "inter-node" and r["bytes"]}
+    inside = {r["dim"]: r["bytes"] for r in report["link_rows"] if r["link"] == "intra-node" and r["bytes"]}
     if "across" in layout:
         assert crossing.keys() >= {"tp"} and "dp" in inside and "tp" not in inside, (crossing, inside)
     else:

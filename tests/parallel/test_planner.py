@@ -225,19 +225,37 @@ def test_mesh_ranks_fill_the_innermost_dimension_with_consecutive_ranks():
     assert mesh_ranks(1, 2, 2, "dp-tp-pp").tolist() == [[[0, 2], [1, 3]]]
 
 
-def test_links_say_which_groups_cross_nodes():
-    from t5forge.parallel.comm_model import Layout, group_ranks, links
+def test_link_totals_say_which_collectives_cross_nodes():
+    from t5forge.parallel.comm_model import Layout, Shapes, group_ranks, link_totals
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_heads=4, num_layers=2, num_decoder_layers=2)
+    shapes = Shapes(micro_batch_size=2, accumulation=1, inputs_length=8, targets_length=4)
+
+    def crossing(layout, rank=0, per_node=2):
+        totals = link_totals(step_requirements(config, shapes, layout, 0, 0), layout, per_node, rank)
+        return {(kind, dim) for (kind, dim, link), v in totals.items() if link == "inter-node" and v["bytes"]}
 
     good, bad = Layout(dp=2, tp=2), Layout(dp=2, tp=2, rank_order="dp-tp-pp")
-    assert links(good, ranks_per_node=2) == {"world": "inter-node", "dp": "inter-node", "tp": "intra-node",
-                                             "dp_tp": "inter-node"}
-    assert links(bad, ranks_per_node=2) == {"world": "inter-node", "dp": "intra-node", "tp": "inter-node",
-                                            "dp_tp": "inter-node"}
-    assert set(links(good, ranks_per_node=4).values()) == {"intra-node"}
     assert group_ranks("tp", bad, 3) == [1, 3] and group_ranks("dp", bad, 3) == [2, 3]
-    # pp2 x dp2 on nodes of 2: the stages are on different nodes, data parallelism inside each.
-    assert links(Layout(dp=2, pp=2, pp_layers=(1, 1)), ranks_per_node=2, rank=3) == {
-        "world": "inter-node", "pp": "inter-node", "dp": "intra-node", "pp_dp": "inter-node"}
+    assert {dim for _, dim in crossing(good)} == {"dp"}  # tp stays inside the nodes
+    assert {dim for _, dim in crossing(bad)} == {"tp"}  # and dp inside them here
+    assert crossing(good, per_node=4) == set()  # one node
+
+
+def test_pipeline_sends_cross_nodes_only_at_the_boundary_between_them():
+    from t5forge.parallel.comm_model import Layout, Shapes, link_totals
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_heads=4, num_layers=2, num_decoder_layers=2)
+    shapes = Shapes(micro_batch_size=2, accumulation=2, inputs_length=8, targets_length=4)
+    layout = Layout(pp=4, pp_layers=(1, 1, 1, 1))  # one block per stage, two stages per node
+    links = {}
+    for pp_rank in range(4):
+        requirements = [r for r in step_requirements(config, shapes, layout, 0, pp_rank) if r.kind == "send"]
+        totals = link_totals(requirements, layout, ranks_per_node=2, rank=pp_rank)
+        links[pp_rank] = {link for (_, _, link), v in totals.items() if v["count"]}
+    # Stage 1 -> 2 (and its gradients back) is the only boundary between the nodes.
+    assert links == {0: {"intra-node"}, 1: {"intra-node", "inter-node"}, 2: {"intra-node", "inter-node"},
+                     3: {"intra-node"}}
 
 
 def test_the_planner_times_tensor_parallelism_across_nodes_on_the_network(wide):

@@ -1,4 +1,4 @@
-"""`t5forge bench cluster`: LiBai's 1n4g against 2n4g comparison at CPU scale, on "nodes" that are network
+"""`t5forge bench cluster`: LiBai's 1n4g against 2n4g comparison at CPU scale (1n4g against 2n2g), on "nodes" that are network
 namespaces joined by a rate-limited link (t5forge.testing.cluster), one torchrun agent per node as on a real
 cluster, and the planner's time model checked against every case.
 
@@ -226,13 +226,13 @@ def _loaded_all_reduce(tensor, group, work, repeats: int) -> float:
 # -- the driver --------------------------------------------------------------------------------------------
 def _run_job(cluster, kind: str, config: Path, overrides: list[str], processes: int, work: Path, what: str) -> list[dict]:
     """One job of `processes` ranks per node of `cluster` running `kind`_worker; every rank's report."""
-    out = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
-    with tempfile.TemporaryDirectory(dir=work) as scratch:
-        jobs = cluster.launch(["t5forge.bench.cluster", kind, str(config), str(out), *overrides], processes,
+    with tempfile.TemporaryDirectory(prefix=f"{kind}-", dir=work) as out, tempfile.TemporaryDirectory(dir=work) as scratch:
+        jobs = cluster.launch(["t5forge.bench.cluster", kind, str(config), out, *overrides], processes,
                               capture=True, scratch=scratch, share_cores=True)
-    if any(job.returncode for job in jobs):
-        raise RuntimeError(f"{what} failed:\n" + "\n".join((job.stderr or "")[-3000:] for job in jobs))
-    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+        if any(job.returncode for job in jobs):
+            raise RuntimeError(f"{what} failed:\n" + "\n".join((job.stderr or "")[-3000:] for job in jobs))
+        return [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"),
+                                                                 key=lambda p: int(p.stem[4:]))]
 
 
 def compute_rate(compute: list[dict], config: Path, overrides: list[str]) -> dict:
@@ -292,9 +292,9 @@ def _summary(reports: list[dict], ranks_per_node: int) -> dict:
     rank0 = reports[0]
     audit = rank0["audit"]
     interface = [r["interface_bytes_per_step"] for r in reports if r["local_rank"] == 0]
-    inter_by_dim: dict[str, int] = {}
-    for row in audit["rows"]:
-        if row.get("link") == "inter-node":
+    inter_by_dim: dict[str, int] = {}  # measured: the links rank 0's collectives crossed
+    for row in audit["link_rows"]:
+        if row["link"] == "inter-node" and row["bytes"]:
             inter_by_dim[row["dim"]] = inter_by_dim.get(row["dim"], 0) + row["bytes"]
     return {"step_s": rank0["elapsed_s"] / len(rank0["step_s"]), "step_times_s": rank0["step_s"],
             "exposed_ms": audit["totals"]["exposed_ms"], "exposed_share": audit["totals"]["share"],
@@ -361,7 +361,7 @@ def _mb(n: float | None) -> str:
 def render_markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
-        "# LiBai's 1n4g against 2n4g, on network namespaces",
+        "# LiBai's 1n4g against 2n4g at CPU scale: 1n4g against 2n2g, on network namespaces",
         "",
         f"Measured with `t5forge bench cluster` on {m['cpu']} ({m['cores']} cores, gloo), torch {m['torch']}. "
         f"Each node is a network namespace with one interface; the link between nodes is shaped with tc's token "

@@ -202,7 +202,7 @@ def worker(out: str, overrides: list[str]) -> None:
         described = describe_rank(trainer, run)
         measured = measure_step(trainer)
         layout = Layout(**{**described["comm_layout"], "pp_layers": tuple(described["comm_layout"]["pp_layers"])})
-        required = trainer.required_communication(layout)
+        required, _ = trainer.required_communication(layout)
         report = {**described, "memory": measured["memory"],
                   "communication_bytes": sum(t["bytes"] for t in measured["collectives"]["totals"]),
                   "communication_required_bytes": sum(v["bytes"] for v in required.values())}

@@ -25,9 +25,10 @@ Bytes are the logical payload per rank: the full buffer of an all-reduce, the ga
 all-gather, the full input of a reduce-scatter, the tensor of a broadcast, send or recv.
 
 Links: every collective is labelled intra-node or inter-node from the nodes of its group's actual members
-(the node of each rank: torchrun's GROUP_RANK, gathered once), and compared with comm_model.links, which
-derives the same from the layout and the ranks per node: a tensor-parallel group that the placement
-(parallel.rank_order) spreads over nodes shows up as tensor-parallel bytes on the inter-node link."""
+(a send or recv: of the rank and its peer; the node of each rank: torchrun's GROUP_RANK, gathered once), and
+compared with comm_model.link_totals, which derives the same from the layout and the ranks per node: a
+tensor-parallel group that the placement (parallel.rank_order) spreads over nodes shows up as
+tensor-parallel bytes on the inter-node link."""
 
 from __future__ import annotations
 
@@ -272,7 +273,11 @@ class CollectiveRecorder(TorchDispatchMode):
             kind = C10D_OPS[name]
             group = next(a for a in args if isinstance(a, torch.ScriptObject)
                          and "ProcessGroup" in str(a._type()))
-            dim, link = self._labels_of(dist.ProcessGroup.unbox(group).group_name)
+            group = dist.ProcessGroup.unbox(group)
+            dim, link = self._labels_of(group.group_name)
+            if kind in ("send", "recv") and self.nodes is not None:  # (tensors, group, peer's group rank, tag)
+                peer = dist.get_process_group_ranks(group)[args[2]]
+                link = INTER_NODE if self.nodes[peer] != self.nodes[dist.get_rank()] else INTRA_NODE
             collective = Collective(kind, dim, self.phase, _c10d_bytes(kind, name, args), link=link)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in FUNCTIONAL_OPS:
             kind = FUNCTIONAL_OPS[name]
@@ -369,11 +374,13 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
     (`unwaited`, summed over ranks: their exposed time is only that of the call). `totals` also counts
     the waits on collectives issued outside the step (`unmatched_waits`, all ranks) and their time
     (`unmatched_wait_ms`, averaged over ranks), exposed but in no row. `required_links`: each rank's
-    {mesh dims: link} (comm_model.links); with it (and links recorded), every row names its link, `links`
-    sums rank 0's bytes per link, measured and required, and a collective on another link than required is
-    a difference. `ok` is true only if every rank issued exactly its requirement, on the required links."""
+    {(collective, mesh dim, link): {count, bytes}} (comm_model.link_totals); with it (and links recorded),
+    each rank is compared per link as well, every row names the links rank 0's collectives were measured on,
+    `link_rows` are rank 0's per link, and `links` sums them per link, measured and required. `ok` is true
+    only if every rank issued exactly its requirement, on the required links."""
     measured = [{(t["collective"], t["dim"]): t for t in r["totals"]} for r in ranks]
     linked = required_links is not None and all("links" in r for r in ranks)
+    by_link = [{(t["collective"], t["dim"], t["link"]): t for t in r["links"]} for r in ranks] if linked else []
     keys = sorted({k for need in required for k in need} | {k for m in measured for k in m})
     step_s = sum(r["step_s"] for r in ranks) / len(ranks)
     zero = {"count": 0, "bytes": 0, "exposed_s": 0.0, "unwaited": 0}
@@ -387,14 +394,6 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
                                     "required_bytes": need["bytes"]})
         got, need = measured[0].get(key, zero), required[0].get(key, {"count": 0, "bytes": 0})
         exposed = sum(m.get(key, zero)["exposed_s"] for m in measured) / len(measured)
-        if linked:
-            for rank, r in enumerate(ranks):
-                want = required_links[rank].get(key[1])
-                for t in r["links"]:
-                    # (a dimension without a required link has no requirement: its count differs already)
-                    if (t["collective"], t["dim"]) == key and want is not None and t["link"] != want:
-                        differences.append({"rank": rank, "collective": key[0], "dim": key[1], "count": t["count"],
-                                            "bytes": t["bytes"], "link": t["link"], "required_link": want})
         rows.append({"collective": key[0], "dim": key[1], "count": got["count"], "bytes": got["bytes"],
                      "required_count": need["count"], "required_bytes": need["bytes"],
                      "ratio": got["bytes"] / need["bytes"] if need["bytes"] else (1.0 if not got["bytes"] else None),
@@ -404,12 +403,27 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
     total_required = sum(r["required_bytes"] for r in rows)
     exposed_s = sum(r["exposed_ms"] for r in rows) / 1e3
     all_ranks_bytes = sum(t["bytes"] for m in measured for t in m.values())
-    links = None
-    if linked:
-        for row in rows:
-            row["link"] = required_links[0].get(row["dim"])
-        links = {link: {"bytes": sum(t["bytes"] for t in ranks[0]["links"] if t["link"] == link),
-                        "required_bytes": sum(r["required_bytes"] for r in rows if r["link"] == link)}
+    links, link_rows = None, []
+    if linked:  # the same comparison per (collective, dim, link), where the totals agree
+        differing = {(d["rank"], d["collective"], d["dim"]) for d in differences}
+        for rank in range(len(ranks)):
+            for kind, dim, link in sorted({*by_link[rank], *required_links[rank]}):
+                got = by_link[rank].get((kind, dim, link), {"count": 0, "bytes": 0})
+                need = required_links[rank].get((kind, dim, link), {"count": 0, "bytes": 0})
+                if (got["count"], got["bytes"]) != (need["count"], need["bytes"]) and \
+                        (rank, kind, dim) not in differing:
+                    differences.append({"rank": rank, "collective": kind, "dim": dim, "link": link,
+                                        "count": got["count"], "bytes": got["bytes"],
+                                        "required_count": need["count"], "required_bytes": need["bytes"]})
+                if rank == 0:
+                    link_rows.append({"collective": kind, "dim": dim, "link": link, "count": got["count"],
+                                      "bytes": got["bytes"], "required_count": need["count"],
+                                      "required_bytes": need["bytes"]})
+        for row in rows:  # the links rank 0's collectives of the row were measured on
+            row["link"] = " + ".join(sorted({r["link"] for r in link_rows if (r["collective"], r["dim"]) ==
+                                             (row["collective"], row["dim"]) and r["bytes"]})) or "-"
+        links = {link: {"bytes": sum(r["bytes"] for r in link_rows if r["link"] == link),
+                        "required_bytes": sum(r["required_bytes"] for r in link_rows if r["link"] == link)}
                  for link in (INTRA_NODE, INTER_NODE)}
     return {
         "layout": layout, "ok": not differences, "differences": differences, "rows": rows,
@@ -423,7 +437,7 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
                    "unmatched_wait_ms": sum(r["unmatched_wait_s"] for r in ranks) / len(ranks) * 1e3},
         # All ranks' bytes of one step over the samples of the global batch.
         "bytes_per_sample": all_ranks_bytes / samples_per_step,
-        "links": links,
+        "links": links, "link_rows": link_rows,
     }
 
 
@@ -468,21 +482,18 @@ def format_report(report: dict) -> str:
             f"{link} {_size(v['bytes'])} (required {_size(v['required_bytes'])})"
             for link, v in report["links"].items()))
     for d in report["differences"][:20]:
-        if "link" in d:
-            lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: {d['count']} x / {d['bytes']} B "
-                         f"crossed the {d['link']} link, required {d['required_link']}")
-        else:
-            lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}: issued {d['count']} x / "
-                         f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
+        on = f" on the {d['link']} link" if "link" in d else ""
+        lines.append(f"  rank {d['rank']}: {d['collective']} over {d['dim']}{on}: issued {d['count']} x / "
+                     f"{d['bytes']} B, required {d['required_count']} x / {d['required_bytes']} B")
     return "\n".join(lines)
 
 
 def audit(step, mesh, required: dict[tuple[str, str], dict], context: dict, samples_per_step: int,
           model: torch.nn.Module | None = None, listeners: list | None = None,
-          required_links: dict[str, str] | None = None):
+          required_links: dict[tuple[str, str, str], dict] | None = None):
     """Run `step()` (one training step) with every collective recorded, and compare the records of every rank
     with what each requires (`required`: {(collective, mesh dim): {count, bytes}}, from comm_model; and
-    `required_links`: {mesh dims: link}, comm_model.links). Every rank takes part (the records are gathered).
+    `required_links`: the same per link, comm_model.link_totals). Every rank takes part (the records are gathered).
     `model`: its forward phases are told apart (None for a pipeline, whose schedule interleaves them);
     `listeners`: the step's phase listeners, the recorder joins them for the step. Returns the step's result
     and the report (see build_report)."""
@@ -495,7 +506,8 @@ def audit(step, mesh, required: dict[tuple[str, str], dict], context: dict, samp
     finally:
         listeners.remove(recorder)
     gathered = [None] * dist.get_world_size()  # (measured, required, required links) of every rank
-    dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items()), required_links))
+    dist.all_gather_object(gathered, (record_to_dict(recorder.record), list(required.items()),
+                                      None if required_links is None else list(required_links.items())))
     report = build_report([m for m, _, _ in gathered], [dict(r) for _, r, _ in gathered], samples_per_step, context,
-                          None if required_links is None else [links for _, _, links in gathered])
+                          None if required_links is None else [dict(links) for _, _, links in gathered])
     return result, report

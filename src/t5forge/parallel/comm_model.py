@@ -63,14 +63,14 @@ the loss is on the last stage); the squared gradient norm over the ranks among w
 (an fp32 scalar, over pp and tp and, with ZeRO 1-3, dp). No collective runs over a mesh dimension of
 size 1.
 
-Links: a collective's group crosses nodes when its ranks are on more than one node; torchrun numbers a
-node's ranks consecutively (node = rank // ranks per node) and parallel.rank_order places the mesh on the
-ranks (mesh.mesh_ranks). `group_ranks` and `links` say, for a rank, which of its groups cross; the audit
-labels the collectives it records by the nodes of their groups' actual members and compares."""
+Links: a collective crosses nodes when the ranks of its group are on more than one node (a send or recv:
+the rank and its peer); torchrun numbers a node's ranks consecutively (node = rank // ranks per node) and
+parallel.rank_order places the mesh on the ranks (mesh.mesh_ranks). `link_totals` says which of a rank's
+requirements cross; the audit labels the collectives it records by the nodes of their actual members and
+compares."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -132,6 +132,9 @@ class Requirement:
     count: int
     nbytes: int
     what: str
+    # The pipeline ranks of its group when it is not the whole mesh dimension's: a send or recv (this rank's
+    # and its peer's) or the sum of parameters copied on some pipeline ranks (their holders).
+    pp_ranks: tuple[int, ...] = ()
 
 
 def check_covered(layout: Layout) -> None:
@@ -251,9 +254,9 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
     head, decoder_stages = any(s.is_last for s in local), sum(1 for s in local if s.decoder)
     out: list[Requirement] = []
 
-    def need(kind, dim, count, elements, element_size, what):
+    def need(kind, dim, count, elements, element_size, what, pp_ranks=()):
         if count:
-            out.append(Requirement(kind, dim, count, count * elements * element_size, what))
+            out.append(Requirement(kind, dim, count, count * elements * element_size, what, pp_ranks))
 
     if tp > 1:
         enc, dec = b * S * d, b * T * d
@@ -305,11 +308,12 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
             for boundary, what in neighbours:
                 incoming = boundary is spec
                 forward, backward = ("recv", "send") if incoming else ("send", "recv")
+                peer = (boundary.index - 1 if incoming else boundary.index) % pp  # stage i runs on rank i % pp
                 for shape in boundary_shapes(boundary, b, S, T, d):
-                    need(forward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
-                    need(backward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}")
-        for elements in _tied_elements(config, layout, specs, local):
-            need("all_reduce", "pp", 1, elements, FP32, "gradients of parameters copied on pipeline ranks")
+                    need(forward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}", (pp_rank, peer))
+                    need(backward, "pp", M, math.prod(shape), FP32, f"stage {boundary.index}: {what}", (pp_rank, peer))
+        for holders, elements in _tied_elements(config, layout, specs, local):
+            need("all_reduce", "pp", 1, elements, FP32, "gradients of parameters copied on pipeline ranks", holders)
 
     if dp > 1:
         params = [(n, _local_shape(n, s, tp)) for n, s in _parameters(config, stages)]
@@ -356,15 +360,16 @@ def step_requirements(config: T5Config, shapes: Shapes, layout: Layout, dp_rank:
     return out
 
 
-def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec], local: list[StageSpec]) -> list[int]:
-    """Elements of this rank's parameters (of stages `local`) that other pipeline ranks also hold, per set of
-    holders (their gradients are summed over pp in one all-reduce per set: pipeline.TiedParameters)."""
+def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec],
+                   local: list[StageSpec]) -> list[tuple[tuple[int, ...], int]]:
+    """(holders, elements) of this rank's parameters (of stages `local`) that other pipeline ranks also hold,
+    per set of holders (their gradients are summed over pp in one all-reduce per set: pipeline.TiedParameters)."""
     holders = parameter_holders(config, specs, layout.pp)
     per_set: dict[tuple[int, ...], int] = defaultdict(int)
     for name, shape in _parameters(config, local):
         if len(holders[name]) > 1:
             per_set[holders[name]] += math.prod(_local_shape(name, shape, layout.tp))
-    return [per_set[k] for k in sorted(per_set)]
+    return [(k, per_set[k]) for k in sorted(per_set)]
 
 
 INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
@@ -381,16 +386,31 @@ def group_ranks(dims: str, layout: Layout, rank: int) -> list[int]:
     return sorted(grid[index].flatten().tolist())
 
 
-def links(layout: Layout, ranks_per_node: int, rank: int = 0) -> dict[str, str]:
-    """{mesh dims of a collective (as Requirement.dim names them): INTRA_NODE or INTER_NODE} for the groups
-    of `rank`, nodes of `ranks_per_node` consecutive ranks (torchrun's numbering)."""
-    names = [d for d in MESH_DIMS if getattr(layout, d) > 1]
-    out = {"world": INTER_NODE if layout.dp * layout.tp * layout.pp > ranks_per_node else INTRA_NODE}
-    for size in range(1, len(names) + 1):
-        for dims in itertools.combinations(names, size):
-            nodes = {r // ranks_per_node for r in group_ranks("_".join(dims), layout, rank)}
-            out["_".join(dims)] = INTER_NODE if len(nodes) > 1 else INTRA_NODE
-    return out
+def requirement_ranks(r: Requirement, layout: Layout, rank: int) -> list[int]:
+    """The global ranks of the group `rank` runs requirement `r` on: its mesh dimension's group, or, for the
+    pipeline ranks it names (r.pp_ranks), those at `rank`'s data- and tensor-parallel coordinates."""
+    if not r.pp_ranks:
+        return group_ranks(r.dim, layout, rank)
+    grid = mesh_ranks(layout.pp, layout.dp, layout.tp, layout.rank_order)
+    _, dp, tp = (grid == rank).nonzero()[0].tolist()
+    return sorted(int(grid[p, dp, tp]) for p in r.pp_ranks)
+
+
+def link_of(ranks: list[int], ranks_per_node: int) -> str:
+    """INTER_NODE when the ranks are on more than one node (torchrun numbers a node's ranks consecutively)."""
+    return INTER_NODE if len({r // ranks_per_node for r in ranks}) > 1 else INTRA_NODE
+
+
+def link_totals(requirements: list[Requirement], layout: Layout, ranks_per_node: int,
+                rank: int = 0) -> dict[tuple[str, str, str], dict]:
+    """{(collective, mesh dim, link): {count, bytes}} of `rank`'s requirements: the link each one's group
+    crosses, nodes of `ranks_per_node` consecutive ranks."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for r in requirements:
+        entry = out[(r.kind, r.dim, link_of(requirement_ranks(r, layout, rank), ranks_per_node))]
+        entry["count"] += r.count
+        entry["bytes"] += r.nbytes
+    return dict(out)
 
 
 def totals(requirements: list[Requirement]) -> dict[tuple[str, str], dict]:

@@ -60,9 +60,9 @@ from t5forge.models.flops import (
 from t5forge.models.loss import BYTES_PER_LOGIT, CHUNK_LOGITS, CHUNK_MEMORY_SHARE, CUDA_CHUNK_LOGITS
 from t5forge.models.presets import get_preset
 from t5forge.models.t5 import T5Config
-from t5forge.parallel.comm_model import Layout, Requirement, Shapes, check_covered, group_ranks, step_requirements
+from t5forge.parallel.comm_model import Layout, Requirement, Shapes, check_covered, requirement_ranks, step_requirements
 from t5forge.parallel.memory_model import CATEGORIES, MemoryEstimate, estimate_memory
-from t5forge.parallel.mesh import check_layout
+from t5forge.parallel.mesh import check_layout, mesh_ranks
 from t5forge.parallel.pipeline import block_costs, check_schedule, rank_stages, split_blocks, stage_specs
 
 MEMORY_MARGIN = 0.10  # of the GPU's memory, kept for what the memory model does not count (see above)
@@ -303,11 +303,11 @@ def affine_requirements(config: T5Config, shapes: Shapes, layout: Layout, pp_ran
     and (2, 1). Each collective's count is c0 + c1 M and its bytes n0 + n1 M + n2 M b (per step, per
     micro-batch, per sample of a micro-batch: how comm_model builds them); a count that changes with b (the
     fused loss's chunks) is refused, as the layouts that have it (pp = 1) are read directly."""
-    def read(b: int, m: int) -> dict[tuple[str, str, str], tuple[int, int]]:
+    def read(b: int, m: int) -> dict[tuple, tuple[int, int]]:
         out: dict = {}
         for r in step_requirements(config, replace(shapes, micro_batch_size=b, accumulation=m), layout, 0, pp_rank):
-            count, nbytes = out.get((r.kind, r.dim, r.what), (0, 0))
-            out[(r.kind, r.dim, r.what)] = (count + r.count, nbytes + r.nbytes)
+            count, nbytes = out.get((r.kind, r.dim, r.what, r.pp_ranks), (0, 0))
+            out[(r.kind, r.dim, r.what, r.pp_ranks)] = (count + r.count, nbytes + r.nbytes)
         return out
 
     one, two_m, two_b = read(1, 1), read(1, 2), read(2, 1)
@@ -322,10 +322,10 @@ def affine_requirements(config: T5Config, shapes: Shapes, layout: Layout, pp_ran
 
     def at(b: int, m: int) -> list[Requirement]:
         out = []
-        for (kind, dim, what), c0, c1, n0, n1, n2 in terms:
+        for (kind, dim, what, pp_ranks), c0, c1, n0, n1, n2 in terms:
             count = c0 + c1 * m
             if count:
-                out.append(Requirement(kind, dim, count, n0 + n1 * m + n2 * m * b, what))
+                out.append(Requirement(kind, dim, count, n0 + n1 * m + n2 * m * b, what, pp_ranks))
         return out
 
     return at
@@ -481,12 +481,16 @@ class Planner:
         slowest = max(per_microbatch)
         return microbatches * slowest + (sum(per_microbatch) - slowest) / stages_per_rank
 
-    def _group(self, dims: str, c: Candidate) -> tuple[int, int, bool]:
-        """(ranks, ranks per node, whether it spans nodes) of the group over mesh dims `dims` (e.g. "dp",
-        "pp_dp") that holds rank 0, ranks placed by the layout's rank order (comm_model.group_ranks)."""
-        key = (dims, c.dp, c.tp, c.pp, c.rank_order)
+    def _members(self, r: Requirement, c: Candidate) -> tuple[int, int, bool]:
+        """(ranks, ranks per node, whether it spans nodes) of the group requirement `r` runs on at the data-
+        and tensor-parallel coordinates of rank 0 (comm_model.requirement_ranks: its mesh dimension's group, or
+        the pipeline ranks it names), ranks placed by the layout's rank order."""
+        key = (r.dim, r.pp_ranks, c.dp, c.tp, c.pp, c.rank_order)
         if key not in self._groups:
-            ranks = group_ranks(dims, Layout(dp=c.dp, tp=c.tp, pp=c.pp, rank_order=c.rank_order), 0)
+            layout = Layout(dp=c.dp, tp=c.tp, pp=c.pp, rank_order=c.rank_order)
+            pp_rank = r.pp_ranks[0] if r.pp_ranks else 0  # the pipeline rank whose requirement it is
+            anchor = int(mesh_ranks(c.pp, c.dp, c.tp, c.rank_order)[pp_rank, 0, 0])
+            ranks = requirement_ranks(r, layout, anchor)
             nodes = Counter(r // self.cluster.gpus_per_node for r in ranks)
             self._groups[key] = (len(ranks), max(nodes.values()), len(nodes) > 1)
         return self._groups[key]
@@ -497,8 +501,7 @@ class Planner:
         k ranks on each, 1/k of what a rank sends crosses to another node (each of the node's k NICs carries
         one channel's crossing). A transfer between pipeline stages is timed at its receiver and its bytes
         counted at its sender."""
-        dims = "pp" if r.kind in ("send", "recv") else r.dim
-        n, per_node, crosses = self._group(dims, c)
+        n, per_node, crosses = self._members(r, c)
         alpha = self.cluster.alpha_inter if crosses else self.cluster.alpha_intra
         if r.kind in ("send", "recv"):
             if r.kind == "send":
@@ -506,7 +509,8 @@ class Planner:
             bandwidth = min(self.cluster.intra_node, self.cluster.inter_node) if crosses else self.cluster.intra_node
             return r.count * alpha + r.nbytes / bandwidth, 0.0, 0.0
         wire = self.ring.get(r.kind, lambda _: 1.0)(n) * r.nbytes
-        hops = math.ceil(math.log2(n)) * (2 if r.kind == "all_reduce" else 1)
+        as_all_reduce = r.kind == "all_reduce" or (r.kind == "reduce_scatter" and self.ring is GLOO_RING)
+        hops = math.ceil(math.log2(n)) * (2 if as_all_reduce else 1)
         if not crosses:
             return r.count * hops * alpha + wire / self.cluster.intra_node, wire, 0.0
         bandwidth = min(self.cluster.intra_node, per_node * self.cluster.inter_node)
@@ -570,7 +574,7 @@ class Planner:
                 sent["intra_node"] += intra
                 sent["inter_node"] += inter
                 dims[r.dim] = dims.get(r.dim, 0.0) + wire
-                crosses = self._group("pp" if r.kind in ("send", "recv") else r.dim, c)[2]
+                crosses = self._members(r, c)[2]
                 entry = collectives.setdefault((r.kind, r.dim, crosses),
                                                {"count": 0, "bytes": 0, "wire": 0.0, "seconds": 0.0})
                 for name, value in (("count", r.count), ("bytes", r.nbytes), ("wire", wire), ("seconds", seconds)):

@@ -191,7 +191,7 @@ def dry_run(run: RunConfig, world_size: int, rank: int = 0, device: str = "cpu",
                                   "note": "real kernels of this rank's shard; collectives fake"}
             try:
                 check_covered(layout)
-                required = trainer.required_communication(layout)
+                required, _ = trainer.required_communication(layout)
             except ConfigError as e:
                 result["communication"] = {"ok": None, "not_covered": str(e),
                                            "measured": measured["collectives"]["totals"]}

@@ -43,7 +43,7 @@ from t5forge.models.loss import token_loss_sum
 from t5forge.models.summary import human_count, summarize
 from t5forge.parallel.comm_audit import audit, format_report, ranks_per_node
 from t5forge.parallel.comm_model import Layout, Shapes, step_requirements
-from t5forge.parallel.comm_model import links as comm_links
+from t5forge.parallel.comm_model import link_totals as comm_link_totals
 from t5forge.parallel.comm_model import totals as comm_totals
 from t5forge.parallel.data_parallel import GradientBuckets, local, unique_parameters
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
@@ -430,22 +430,24 @@ class Trainer:
         for listener in self.phase_listeners:
             listener.phase = name
 
-    def required_communication(self, layout: Layout) -> dict[tuple[str, str], dict]:
-        """What a step of `layout` requires of this rank: {(collective, mesh dim): {count, bytes}} (comm_model)."""
+    def required_communication(self, layout: Layout) -> tuple[dict, dict]:
+        """What a step of `layout` requires of this rank (comm_model): {(collective, mesh dim): {count, bytes}},
+        and the same per link {(collective, mesh dim, link): ...} on nodes of this job's ranks per node."""
         plan = self.plan
         shapes = Shapes(micro_batch_size=plan.micro_batch_size, accumulation=plan.accumulation,
                         inputs_length=plan.inputs_length, targets_length=plan.targets_length)
-        return comm_totals(step_requirements(self.model_config, shapes, layout, self.mesh.dp_rank, self.mesh.pp_rank))
+        requirements = step_requirements(self.model_config, shapes, layout, self.mesh.dp_rank, self.mesh.pp_rank)
+        return (comm_totals(requirements),
+                comm_link_totals(requirements, layout, ranks_per_node(), self.mesh.rank))
 
     def audit_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
         """`train_step` with every collective recorded and compared with what this layout requires of each rank
         (comm_model); returns its loss and the audit report, printed and written to RUN_DIR/comm_audit.json."""
         plan = self.plan
-        required = self.required_communication(self.audit_layout)
+        required, required_links = self.required_communication(self.audit_layout)
         context = {**self.layout(), "micro_batch_size": plan.micro_batch_size, "accumulation": plan.accumulation,
                    "precision": self.precision, "step": self.state.step + 1}
         # A pipeline's schedule interleaves the forward and backward passes: its step is one phase.
-        required_links = comm_links(self.audit_layout, ranks_per_node(), self.mesh.rank)
         loss, report = audit(lambda: self.train_step(micro_batches), self.mesh, required, context,
                              plan.global_batch_size, self.model if self.pipeline is None else None,
                              self.phase_listeners, required_links)
