@@ -358,7 +358,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from t5forge.inference import generate_command
 
     generate_command(args.model, args.texts, input_path=args.input, input_field=args.input_field, output=args.output,
-                     tokenizer=args.tokenizer, tp=args.tp, batch_size=args.batch_size,
+                     prediction_field=args.prediction_field, tokenizer=args.tokenizer, tp=args.tp, batch_size=args.batch_size,
                      max_input_tokens=args.max_input_tokens, truncate=args.truncate, seed=args.seed,
                      progress=bool(args.input), max_new_tokens=args.max_new_tokens,
                      min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
@@ -572,7 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokenizer", help="tokenizer directory (default: the model's, or the run's)")
     gen.add_argument("--input", metavar="FILE.jsonl", help="one JSON object per line, with --input-field")
     gen.add_argument("--input-field", default="input", help="the field of --input lines to read (default input)")
-    gen.add_argument("--output", metavar="FILE.jsonl", help="write {input, prediction} lines here")
+    gen.add_argument("--output", metavar="FILE.jsonl",
+                     help="write each --input line with its prediction added here (not over the input file)")
+    gen.add_argument("--prediction-field", default="prediction", metavar="NAME",
+                     help="the field that holds the prediction in the lines written (default prediction)")
     gen.add_argument("--batch-size", type=int, default=8)
     gen.add_argument("--max-input-tokens", type=int, default=512, help="longer inputs are refused (or --truncate)")
     gen.add_argument("--truncate", action="store_true", help="cut inputs at --max-input-tokens instead")
@@ -642,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"t5forge {args.command}{where}: error: {e}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, always
+        print(f"t5forge {args.command}{where}: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -79,6 +79,7 @@ class DataConfig:
     target_field: str = "target"
     task_prefix: str = ""  # prepended to every input text, e.g. "summarize: "
     truncate: bool = True  # text_to_text: cut longer examples (counted in the log) or refuse them
+    skip_empty: bool = True  # text_to_text: skip examples with an empty input or target (counted in the log) or refuse
     packing: bool = False  # text_to_text: several examples per row, attending only within themselves
     noise_density: float = 0.15
     mean_noise_span_length: float = 3.0
@@ -106,6 +107,9 @@ MIN_INPUTS_LENGTH = 8  # span corruption needs room for a noise span, its sentin
 @dataclass
 class TrainConfig:
     output_dir: str = MISSING
+    # Train into a non-empty output_dir that holds no t5forge run (its files stay, the run's go beside them);
+    # false: refuse it. An existing run directory is always accepted (train.resume decides what happens).
+    overwrite_output_dir: bool = False
     micro_batch_size: int = 8
     global_batch_size: int | None = None  # None: micro_batch_size x dp (no accumulation)
     max_steps: int | None = None  # give max_steps or max_samples

@@ -3,8 +3,8 @@
 MODEL_OR_RUN_DIR is an HF model directory (config.json + weights; its tokenizer files too, or pass
 --tokenizer) or a t5forge run directory (its latest checkpoint and the tokenizer of its config). Texts are
 tokenised, batched with right padding, generated with one KV cache per batch, and decoded; with
-`--input FILE.jsonl` each line's input field is read and `--output FILE.jsonl` gets one line per input
-with the prediction (written atomically)."""
+`--input FILE.jsonl` each line's input field is read and `--output FILE.jsonl` (never the input file itself)
+gets each input line, all its fields kept, with the prediction added (written atomically)."""
 
 from __future__ import annotations
 
@@ -87,19 +87,27 @@ def sharded_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLi
 
 
 def generate_command(source: str | os.PathLike, texts: list[str], *, input_path: str | None = None,
-                     input_field: str = "input", output: str | None = None, tokenizer: str | None = None,
-                     tp: int = 1, batch_size: int = 8, max_input_tokens: int = 512, truncate: bool = False,
-                     seed: int | None = None, progress: bool = False, emit: Callable[[str], None] = print,
-                     **settings) -> None:
+                     input_field: str = "input", output: str | None = None, prediction_field: str = "prediction",
+                     tokenizer: str | None = None, tp: int = 1, batch_size: int = 8, max_input_tokens: int = 512,
+                     truncate: bool = False, seed: int | None = None, progress: bool = False,
+                     emit: Callable[[str], None] = print, **settings) -> None:
     """`t5forge generate`: `texts`, or the `input_field` of every line of the JSONL file `input_path`, through
     the model of `source` (sharded over `tp` ranks under torchrun); rank 0 writes one JSONL line per input to
-    `output` (atomically; only with `input_path`) or emits them, then the throughput (to stderr).
-    `settings`: models/generate.py."""
+    `output` (atomically; only with `input_path`, and never over it) or emits them, then the throughput (to
+    stderr). A line is the input's JSON object (or {"input": text}) with the prediction added as
+    `prediction_field`. `settings`: models/generate.py."""
     if bool(texts) == bool(input_path):
         raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
     if output and not input_path:
         raise ConfigError("--output writes the predictions of --input FILE.jsonl; without it they are printed")
-    texts = read_jsonl_inputs(input_path, input_field) if input_path else texts
+    if output and _same_file(input_path, output):
+        raise ConfigError(f"--output {output} is the input file {input_path}: writing it would lose the input; "
+                          "write the predictions to another file")
+    if input_path:
+        records = read_jsonl_inputs(input_path, input_field, prediction_field)
+        texts = [record[input_field] for record in records]
+    else:
+        records = [{"input": text} for text in texts]
     with contextlib.ExitStack() as stack:
         if tp > 1:  # every rank runs the same search over its shards, rank 0 writes
             model, tok = stack.enter_context(sharded_for_generation(source, tokenizer, tp))
@@ -121,40 +129,52 @@ def generate_command(source: str | os.PathLike, texts: list[str], *, input_path:
                                             on_batch=on_batch, **settings)
     if not writer:
         return
+    lines = [{**record, prediction_field: prediction} for record, prediction in zip(records, predictions)]
     if output:
-        write_text_atomic(output, "".join(json.dumps({input_field: text, "prediction": prediction}) + "\n"
-                                          for text, prediction in zip(texts, predictions)))
+        write_text_atomic(output, "".join(json.dumps(line) + "\n" for line in lines))
         emit(f"wrote {len(predictions)} predictions to {output}")
     else:
-        for text, prediction in zip(texts, predictions):
-            emit(json.dumps({"input": text, "prediction": prediction}, ensure_ascii=False))
+        for line in lines:
+            emit(json.dumps(line, ensure_ascii=False))
     print(f"{speed['generated_tokens']} tokens in {speed['seconds']:.2f} s: {speed['tokens_per_s']:.1f} tokens/s",
           file=sys.stderr)
 
 
-def read_jsonl_inputs(path: str | os.PathLike, field: str) -> list[str]:
-    """The `field` of every line of a JSONL file; a bad line is named by file and line number."""
-    texts = []
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` name one file: the same path, a symbolic link to it, or a hard link."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def read_jsonl_inputs(path: str | os.PathLike, field: str, prediction_field: str = "prediction") -> list[dict]:
+    """The records of a JSONL file, each with a string `field` and no `prediction_field` yet (it would be
+    overwritten); a bad line is named by file and line number."""
+    records = []
     for number, record in read_jsonl(path, (field,), "set the field with --input-field"):
         if not isinstance(record[field], str):
             raise ConfigError(f"{path}:{number}: field {field!r} is not a string; set the field with --input-field")
-        texts.append(record[field])
-    return texts
+        if prediction_field in record:
+            raise ConfigError(f"{path}:{number} already has a field {prediction_field!r}; name the predictions' "
+                              "field with --prediction-field")
+        records.append(record)
+    return records
 
 
 def encode_inputs(tokenizer: T5Tokenizer, texts: list[str], max_input_tokens: int = 512,
                   truncate: bool = False) -> list[list[int]]:
     """Token ids of each text with eos. An input of more than `max_input_tokens` tokens (eos included) is
-    refused, or cut there with `truncate`."""
+    refused, or cut there with `truncate`; a text is tokenised only as far as that (one token past it)."""
     encoded = []
     for i, text in enumerate(texts):
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, max(max_input_tokens, 1))
         if not ids:
             raise ConfigError(f"input {i + 1} is empty: give text to generate from")
         if len(ids) + 1 > max_input_tokens:  # + eos
             if not truncate:
-                raise ConfigError(f"input {i + 1} has {len(ids) + 1} tokens, more than --max-input-tokens "
-                                  f"{max_input_tokens}; raise it, or pass --truncate to cut inputs there")
+                raise ConfigError(f"input {i + 1} has more than --max-input-tokens {max_input_tokens} tokens (eos "
+                                  "included); raise it, or pass --truncate to cut inputs there")
             ids = ids[:max_input_tokens - 1]
         encoded.append(ids + [tokenizer.eos_id])
     return encoded

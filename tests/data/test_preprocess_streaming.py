@@ -86,6 +86,33 @@ def test_word_memory_never_changes_an_id(tokenizer_dir):
         assert np.frombuffer(tokens, np.uint16).tolist() == [t for i in expected for t in i]
 
 
+def test_a_book_long_document_goes_through_in_windows_with_the_tokenizers_ids(documents, tokenizer_dir, corpus_file,
+                                                                              tmp_path, monkeypatch):
+    from tokenizer_calls import watch_tokenizer
+
+    book = corpus_file.read_text(encoding="utf-8")[:500_000]  # one document of ~8 windows, its paragraphs and all
+    docs = documents[:50] + [book] + documents[50:60]
+    expected = [e.ids + [1] for e in T5Tokenizer(tokenizer_dir).tokenizer.encode_batch(docs, add_special_tokens=False)]
+    seen = watch_tokenizer(monkeypatch)  # fails on a text longer than a window tokenised in one call
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    preprocess([path], tokenizer_dir, tmp_path / "out")
+    assert np.frombuffer((tmp_path / "out.bin").read_bytes(), np.uint16).tolist() == [t for i in expected for t in i]
+    assert IndexedDataset(tmp_path / "out").lengths.tolist() == list(map(len, expected)) and max(seen) < len(book)
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "jsonl.gz"])
+def test_a_byte_order_mark_at_the_start_of_a_file_is_no_text(fmt, documents, tokenizer_dir, tmp_path):
+    paths = write_inputs(documents[:20], tmp_path / "in")
+    preprocess([paths[fmt]], tokenizer_dir, tmp_path / "plain")
+    raw = gzip.decompress(paths[fmt].read_bytes()) if fmt.endswith(".gz") else paths[fmt].read_bytes()
+    bom = b"\xef\xbb\xbf" + raw  # as Windows editors and spreadsheet exports write it
+    paths[fmt].write_bytes(gzip.compress(bom) if fmt.endswith(".gz") else bom)
+    stats = preprocess([paths[fmt]], tokenizer_dir, tmp_path / "bom", skip_bad_lines=True)
+    assert stats.skipped_lines == 0 and stats.documents == 20
+    assert (tmp_path / "bom.bin").read_bytes() == (tmp_path / "plain.bin").read_bytes()
+
+
 def test_output_does_not_depend_on_workers_chunks_or_shards(documents, tokenizer_dir, tmp_path, monkeypatch):
     paths = write_inputs(documents, tmp_path / "in")
     inputs = [paths["txt"], paths["jsonl.gz"], paths["parquet"]]

@@ -44,7 +44,6 @@ def test_texts_are_tokenised_with_prefix_and_eos_and_id_lists_pass_through(tmp_p
 @pytest.mark.parametrize("line, message", [
     ({"input": "x"}, r"t.jsonl:2 has no field 'target'; set data.input_field / data.target_field"),
     ("not json", r"t.jsonl:2 is not JSON"),
-    ({"input": "", "target": "x"}, r"t.jsonl:2: the input is empty"),
     ({"input": 3, "target": "x"}, r"t.jsonl:2: field 'input' must be a string or a list of token ids"),
     ({"input": [1, 99999], "target": "x"}, r"t.jsonl:2: field 'input' holds token ids outside"),
 ])
@@ -63,8 +62,60 @@ def test_long_examples_are_cut_keeping_eos_or_refused(tmp_path, tokenizer_dir):
     cut = fit_lengths(examples, inputs_length=4, targets_length=8, truncate=True, echo=said.append)
     assert cut[0].input_ids == examples[0].input_ids[:3] + [tok.eos_id] and cut[1] == examples[1]
     assert said == ["warning: cut 1 of 2 inputs to data.inputs_length=4 and 0 targets to data.targets_length=8 tokens"]
-    with pytest.raises(ConfigError, match=r"t.jsonl:1: the input has \d+ tokens .* more than data.inputs_length=4"):
+    with pytest.raises(ConfigError, match=r"t.jsonl:1: the input has more than data.inputs_length=4 tokens"):
         fit_lengths(examples, inputs_length=4, targets_length=8, truncate=False)
+
+
+def test_empty_inputs_and_targets_are_skipped_and_counted_or_refused_by_line(tmp_path, tokenizer_dir):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"input": "fine", "target": "ok"}, {"input": "", "target": "x"}, {"input": "y", "target": "  "},
+        {"input": [], "target": [1]}, {"input": "also fine", "target": "yes"}])
+    said = []
+    examples = read_examples(path, T5Tokenizer(tokenizer_dir), task_prefix="name: ", echo=said.append)
+    assert [e.source for e in examples] == [f"{path}:1", f"{path}:5"]
+    assert said == [f"warning: skipped 3 of 5 examples of {path} with an empty input (2) or target (2); "
+                    "data.skip_empty=false refuses them"]
+    with pytest.raises(ConfigError, match=r"t.jsonl:2: the input is empty; .* or set data.skip_empty=true"):
+        read_examples(path, T5Tokenizer(tokenizer_dir), skip_empty=False)
+    run = load_config(None, ["model.preset=t5-small", "train.output_dir=x", "train.max_steps=1",
+                             "data.task=text_to_text", f"data.train_file={path}", f"data.tokenizer={tokenizer_dir}",
+                             "data.targets_length=6", "data.skip_empty=false"])
+    with pytest.raises(ConfigError, match=r"t.jsonl:2: the input is empty"):
+        build_text_to_text_data(run.data)
+
+
+def test_a_byte_order_mark_before_the_first_line_is_no_part_of_it(tmp_path, tokenizer_dir):
+    records = [{"input": "Return the absolute path.", "target": "abspath"}, {"input": "second", "target": "x"}]
+    plain = write_jsonl(tmp_path / "plain.jsonl", records)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "plain.jsonl").read_bytes())  # as Windows editors write it
+    tok = T5Tokenizer(tokenizer_dir)
+    assert [(e.input_ids, e.target_ids, e.input) for e in read_examples(bom, tok)] == \
+        [(e.input_ids, e.target_ids, e.input) for e in read_examples(plain, tok)]
+
+
+def test_a_50_mb_line_is_tokenised_only_as_far_as_the_lengths(tmp_path, tokenizer_dir, corpus_file, monkeypatch):
+    from tokenizer_calls import watch_tokenizer
+
+    prose = corpus_file.read_text(encoding="utf-8")
+    huge = (prose * (50_000_000 // len(prose) + 1))[:50_000_000]
+    path = write_jsonl(tmp_path / "t.jsonl", [{"input": "short", "target": "x"}, {"input": huge, "target": huge},
+                                              {"input": "and another", "target": "y"}])
+    del huge
+    whole = T5Tokenizer(tokenizer_dir).tokenizer.encode(prose[:100_000], add_special_tokens=False).ids  # reference
+    seen = watch_tokenizer(monkeypatch)  # fails on any text longer than a window: the line whole would take ~7 GB
+    run = load_config(None, ["model.preset=t5-small", "train.output_dir=x", "train.max_steps=1",
+                             "data.task=text_to_text", f"data.train_file={path}", f"data.tokenizer={tokenizer_dir}",
+                             "data.inputs_length=64", "data.targets_length=16", "data.split=[1,0,0]",
+                             f"data.valid_file={path}"])
+    said = []
+    data = build_text_to_text_data(run.data, echo=said.append)
+    assert sum(n > 1000 for n in seen) == 2 * 2  # the long input and target, once per file, one window each
+    long = data.train.examples[1]
+    assert long.input_ids == whole[:63] + [1] and long.target_ids == whole[:15] + [1]
+    assert len(long.input) == len(long.target) <= 1 << 16  # the text kept for predictions is bounded too
+    assert said[0] == "warning: cut 1 of 3 inputs to data.inputs_length=64 and 1 targets to data.targets_length=16 " \
+                      "tokens"
 
 
 def test_rows_are_padded_the_train_split_reshuffled_per_epoch_and_valid_kept_in_order(tmp_path, tokenizer_dir):

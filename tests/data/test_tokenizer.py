@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from t5forge.cli import main
 from t5forge.data.tokenizer import (
     TRAINING_JSON,
+    WINDOW_CHARS,
     T5Tokenizer,
     TokenizerError,
     sample_sizes,
@@ -91,6 +92,48 @@ def test_bad_tokenizer_inputs(tmp_path):
     with pytest.raises(TokenizerError, match="is empty"):
         train_tokenizer([empty], 100, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_long_text_goes_through_in_windows_and_gets_the_ids_of_the_whole_text(tokenizer_dir, corpus_file,
+                                                                                monkeypatch):
+    from tokenizer_calls import watch_tokenizer
+
+    text = corpus_file.read_text(encoding="utf-8")[:400_000]  # about six windows of real text
+    whole = T5Tokenizer(tokenizer_dir).tokenizer.encode(text, add_special_tokens=False).ids  # `tokenizers`, at once
+    seen = watch_tokenizer(monkeypatch)
+    tok = T5Tokenizer(tokenizer_dir)
+    assert tok.encode(text) == whole and max(seen) <= WINDOW_CHARS < len(text)
+    assert tok.encode_batch(["short", text], limit=3) == [tok.encode("short")[:3], whole[:3]]
+    in_first_window = len(tok.encode(next(tok.windows(text))))
+    for limit in (1, 511, 512, in_first_window - 1, in_first_window, in_first_window + 1, 3 * in_first_window,
+                  len(whole), len(whole) + 1):
+        seen.clear()
+        assert tok.encode(text, limit) == whole[:limit], limit
+        if limit <= in_first_window:  # the first window only
+            assert len(seen) == 1, (limit, seen)
+
+
+def test_windows_end_only_where_the_tokenizer_splits_words(tokenizer_dir):
+    # Words of awkward characters (marks, format characters, specials, CJK, a byte-order mark) between whitespace of
+    # every kind, some of which the normaliser deletes: in windows of 256 characters, against the whole text.
+    spaces = [chr(c) for c in range(0x3001) if chr(c).isspace()]
+    alphabet = [*"ab*-.é", "\u0301", "\u0308", "\u200d", "\u0600", "\u0e33", "</s>", "<pad>", "\u2581", "日本",
+                "\ufb01", "\u00a8", "\U0001F3FB", "\ufeff"]
+    rng = random.Random(0)
+    tok = T5Tokenizer(tokenizer_dir)
+    for _ in range(20):
+        text = "".join("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))) + rng.choice(spaces + [" "] * 20)
+                       for _ in range(500))
+        pieces = list(tok.windows(text, 256))
+        assert "".join(pieces) == text and max(map(len, pieces)) <= 256 and len(pieces) > 10
+        assert [i for piece in pieces for i in tok.encode(piece)] == tok.tokenizer.encode(
+            text, add_special_tokens=False).ids
+
+
+def test_a_byte_order_mark_is_not_part_of_the_training_text(tmp_path):
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffhello world\nsecond line\n".encode("utf-8"))
+    assert select_lines([path], 2, 2, np.random.default_rng(0)) == [("hello world", 1), ("second line", 1)]
 
 
 # -- training on many files and languages ------------------------------------------------------------------------

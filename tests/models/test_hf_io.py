@@ -171,6 +171,42 @@ def test_truncated_safetensors_is_reported_with_its_name(v11_dir, tmp_path):
         t5forge.from_pretrained(tmp_path)
 
 
+class NotAWeight:
+    """A class a pickle can name: loading it would run this module's code."""
+
+
+def bin_directory(path, tmp_path, name: str, write) -> object:
+    """An HF directory whose pytorch_model.bin is written by `write(file)`."""
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text((path / "config.json").read_text())
+    write(directory / "pytorch_model.bin")
+    return directory
+
+
+def test_bin_files_that_are_not_weights_only_are_refused_in_one_line(v11_dir, tmp_path):
+    hf, path = v11_dir
+    state = dict(hf.state_dict())
+    cases = {  # name: (how the .bin is written, what the one-line message says)
+        "python objects": (lambda f: torch.save({**state, "extra": NotAWeight()}, f),
+                           "holds Python objects; t5forge loads weights only: convert it to safetensors with a "
+                           "trusted tool"),
+        "not a tensor": (lambda f: torch.save({**state, "step": 3}, f), "does not hold a state dict of tensors"),
+        "garbage": (lambda f: f.write_bytes(bytes(range(256)) * 8), "not a PyTorch weights file"),
+        "truncated": (lambda f: (torch.save(state, f), f.write_bytes(f.read_bytes()[:5000])),
+                      "; the file is truncated or corrupt, copy it again"),
+    }
+    for name, (write, message) in cases.items():
+        directory = bin_directory(path, tmp_path, name.replace(" ", "-"), write)
+        with pytest.raises(CheckpointError) as refused:
+            t5forge.from_pretrained(directory)
+        said = str(refused.value)
+        assert str(directory / "pytorch_model.bin") in said and message in said and "\n" not in said, (name, said)
+    # Files torch wrote before its zip format cannot be memory-mapped, and are read all the same.
+    legacy = bin_directory(path, tmp_path, "legacy", lambda f: torch.save(state, f, _use_new_zipfile_serialization=False))
+    weights_equal(t5forge.from_pretrained(legacy), hf)
+
+
 def test_failed_save_leaves_the_directory_as_it_was(v11_dir, tmp_path, monkeypatch):
     _, path = v11_dir
     model = t5forge.from_pretrained(path)

@@ -5,6 +5,7 @@ then a corpus of damaged files through the command line."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections import Counter
 from pathlib import Path
@@ -151,6 +152,20 @@ def test_a_corpus_of_damaged_files_gives_exit_2_and_one_line(tmp_path, dataset_p
     empty_tokenizer.mkdir()
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
+    someones_files = tmp_path / "someones-files"
+    someones_files.mkdir()
+    (someones_files / "notes.txt").write_text("not a run")
+
+    def python_objects(directory: Path) -> None:
+        import argparse
+
+        import torch
+
+        (directory / "model.safetensors").unlink()
+        torch.save({"shared.weight": torch.zeros(2), "args": argparse.Namespace(lr=1)}, directory / "pytorch_model.bin")
+
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"input": "a", "target": "b"}\n')
     cases = {
         # name: (argv, what the message must name)
         "truncated .bin": (train_argv("t1", damaged_dataset("trunc-bin", lambda p: Path(f"{p}.bin").write_bytes(
@@ -163,6 +178,8 @@ def test_a_corpus_of_damaged_files_gives_exit_2_and_one_line(tmp_path, dataset_p
         "token ids beyond the vocabulary": (train_argv("t5", damaged_dataset("ids", write_bin_ids)), "token id 65000"),
         "missing tokenizer files": (train_argv("t6", f"data.tokenizer={empty_tokenizer}"), str(empty_tokenizer)),
         "output_dir is a file": (train_argv("t7", f"train.output_dir={a_file}"), "train.output_dir"),
+        "output_dir holds other files": (train_argv("t13", f"train.output_dir={someones_files}"),
+                                         "set train.overwrite_output_dir=true"),
         "max_steps=0": (train_argv("t8", "train.max_steps=0"), "train.max_steps"),
         "max_steps=-3": (train_argv("t9", "train.max_steps=-3"), "train.max_steps must be >= 1"),
         "num_workers=-1": (train_argv("t10", "data.num_workers=-1"), "data.num_workers"),
@@ -180,6 +197,10 @@ def test_a_corpus_of_damaged_files_gives_exit_2_and_one_line(tmp_path, dataset_p
         "bit flip in a tensor file": (["convert", str(damaged_dcp("dcp-flip", lambda d: flip_byte(next(
             d.glob("*.distcp"))))), str(tmp_path / "o5")], ".distcp"),
         "unknown preset": (["info", "t5-gigantic"], "t5-gigantic"),
+        ".bin holding Python objects": (["convert", str(damaged_hf("hf-pickle", python_objects)), str(tmp_path / "o6")],
+                                        "pytorch_model.bin holds Python objects; t5forge loads weights only"),
+        "generate over its input": (["generate", str(hf), "--tokenizer", str(tokenizer_dir), "--input", str(jsonl),
+                                     "--output", str(jsonl)], "is the input file"),
     }
     outcomes: Counter = Counter()
     for name, (argv, named) in cases.items():
@@ -190,8 +211,26 @@ def test_a_corpus_of_damaged_files_gives_exit_2_and_one_line(tmp_path, dataset_p
         assert named in err, (name, named, err)
         outcomes[code] += 1
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("o") and p.name[1:].isdigit()]
+    assert jsonl.read_text() == '{"input": "a", "target": "b"}\n' and os.listdir(someones_files) == ["notes.txt"]
     assert not list((tmp_path / "runs").glob("*/checkpoints")) if (tmp_path / "runs").exists() else True
     print(f"\ndamaged-file cases tried: {len(cases)}, exit 2 with one line: {outcomes[2]}")
+
+
+def test_an_output_dir_holding_other_files_is_refused_unless_overwrite_is_set(tmp_path):
+    from t5forge.train.build import check_output_dir
+
+    check_output_dir(tmp_path / "new")  # not there yet
+    check_output_dir(tmp_path)  # empty
+    (tmp_path / "notes.txt").write_text("someone's")
+    with pytest.raises(T5ForgeError, match=r"is not empty \(notes.txt\) and holds no t5forge run; .* set "
+                                           r"train.overwrite_output_dir=true"):
+        check_output_dir(tmp_path)
+    assert load_config(None, [*TINY_RUN, "train.overwrite_output_dir=true"]).train.overwrite_output_dir
+    check_output_dir(tmp_path, overwrite=True)
+    (tmp_path / ".config.yaml.tmp-x1y2").write_text("")  # a run killed while writing its config
+    check_output_dir(tmp_path)
+    (tmp_path / ".config.yaml.tmp-x1y2").rename(tmp_path / "config.yaml")  # a run's (to resume)
+    check_output_dir(tmp_path)
 
 
 @pytest.mark.parametrize("section", sorted(RunConfig.__dataclass_fields__))

@@ -27,7 +27,6 @@ import re
 import shutil
 import tempfile
 import time
-import unicodedata
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from t5forge.data.indexed import DatasetError, IndexedDataset, write_concatenated, write_index
-from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.data.tokenizer import WINDOW_CHARS, T5Tokenizer, joins_a_neighbour
 from t5forge.errors import ConfigError
 from t5forge.fileio import make_public, write_text_atomic
 
@@ -374,21 +373,6 @@ def _chunk_of_rows(rows: list, path: Path, start: int, end: int, text_bytes: int
 
 # --- tokenizing: in the workers ---------------------------------------------------------------------------
 
-# Characters that join the preceding character into one grapheme cluster beyond the marks (Unicode's
-# Extend and SpacingMark classes outside categories M*/Cf), and Prepend characters, which join the next.
-_EXTENDS = frozenset("\u0e33\u0eb3\uff9e\uff9f" + "".join(map(chr, range(0x1F3FB, 0x1F400))))
-_PREPENDS = frozenset("\u0d4e\U000111c2\U000111c3\U0001193f\U00011941\U00011a3a\U00011a84\U00011a85\U00011a86"
-                      "\U00011a87\U00011a88\U00011a89\U00011d46\U00011f02")
-
-
-def _joins_a_neighbour(word: str) -> bool:
-    """Could the first character of `word` join a space before it into one grapheme cluster, or its last a
-    space after it? (A combining mark after a space does.) Errs towards yes: unassigned characters do."""
-    first, last = word[0], word[-1]
-    return (unicodedata.category(first) in ("Mn", "Mc", "Me", "Cf", "Cn", "Co") or first in _EXTENDS
-            or unicodedata.category(last) in ("Cf", "Cn", "Co") or last in _PREPENDS)
-
-
 class DocumentEncoder:
     """Token ids of documents, each followed by eos, exactly as `T5Tokenizer.encode` gives them, about 6x
     faster on natural text.
@@ -431,7 +415,7 @@ class DocumentEncoder:
             self.chars, new = 0, set(words)
         for word in new:
             self.chars += len(word)
-            self.words[word] = None if _joins_a_neighbour(word) else self._whole(word)
+            self.words[word] = None if joins_a_neighbour(word) else self._whole(word)
         return len(new)
 
     def encode(self, documents: list[str]) -> tuple[bytes, np.ndarray]:
@@ -441,10 +425,13 @@ class DocumentEncoder:
             joined = "".join(documents)
             unsafe = tuple(c for c in unsafe if c in joined)
         get, out = self.words.__getitem__, []
+        # A document longer than a window (a book) goes through in windows, joined again below: bounded memory,
+        # the same ids (T5Tokenizer.windows).
+        pieces = [list(self.tokenizer.windows(text)) if len(text) > WINDOW_CHARS else [text] for text in documents]
         # Encoding a word alone costs ~1.5x its share of a whole document: when most words are new, only
         # every 8th document with new words teaches them (enough to notice when the text turns familiar).
         teach_every, missed, words_seen, words_new = (8 if self.novel else 1), 0, 0, 0
-        for text in documents:
+        for text in itertools.chain.from_iterable(pieces):
             try:
                 if unsafe and any(c in text for c in unsafe):
                     raise TypeError
@@ -464,6 +451,9 @@ class DocumentEncoder:
             except TypeError:  # a word that must not be split from its neighbours, or an unsafe space
                 out.append(self._whole(text))
         self.novel = missed > len(documents) / 2 and words_new > words_seen / 2
+        if len(out) > len(documents):
+            windows = iter(out)
+            out = [b"".join(itertools.islice(windows, len(p))) for p in pieces]
         lengths = np.fromiter(map(len, out), np.int64, len(out)) // self.dtype.itemsize + 1
         return self.eos.join(out) + self.eos if out else b"", lengths.astype(np.int32)
 
@@ -495,6 +485,8 @@ def _documents_of(chunk: _Chunk, json_key: str, skip_bad_lines: bool) -> tuple[l
                                "to skip such rows")
         return [t for t in chunk.data if t is not None and t.strip()], sum(t is None for t in chunk.data)
     lines, skipped = _decode(chunk, skip_bad_lines)
+    if chunk.start == 0 and lines:  # a file's UTF-8 byte-order mark (Windows editors write one) is no text
+        lines[0] = lines[0].removeprefix("\ufeff")
     if lines and not lines[-1]:
         lines.pop()  # after the final "\n"
     documents: list[str] = []

@@ -5,7 +5,9 @@ the communication model work unchanged).
 A field holds text, tokenised when the run starts (with the optional task prefix before the input), or a
 list of token ids (pre-tokenised; used as they are). Inputs and targets end with eos. An example longer
 than data.inputs_length / data.targets_length is cut there (eos kept; counted in the log) or refused
-(`data.truncate=false`). Rows are padded (pad id in the inputs, -100 in the labels).
+(`data.truncate=false`); a text is tokenised only as far as that (a 50 MB line costs one tokenizer window,
+data/tokenizer.py). An example with an empty input or target is skipped (counted in the log) or refused
+(`data.skip_empty=false`). Rows are padded (pad id in the inputs, -100 in the labels).
 
 Order: the train split is shuffled anew each epoch (global sample g -> epoch g // n, as in pretraining,
 so the resumable sampler of data/loader.py serves it); the valid and test splits keep the file order, so
@@ -19,10 +21,11 @@ at any consumed_samples as one task does. Proportions are of rows: a packed row 
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,33 +33,38 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from t5forge.data.loader import SPLITS, EpochOrder, split_documents
-from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.data.tokenizer import WINDOW_CHARS, T5Tokenizer
 from t5forge.errors import ConfigError
 
 
-def read_jsonl(path: str | os.PathLike, fields: tuple[str, ...], fix: str) -> list[tuple[int, dict]]:
-    """(line number, record) of every non-empty line of a JSONL file, each an object holding `fields`;
-    a bad line is named by file and line number, followed by `fix` (how to name other fields)."""
+def read_jsonl(path: str | os.PathLike, fields: tuple[str, ...], fix: str) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-empty line of a JSONL file, each an object holding `fields`, read a
+    line at a time (lines end at "\\n" only, as JSONL's do; a UTF-8 byte-order mark before the first is
+    skipped); a bad line is named by file and line number, followed by `fix` (how to name other fields)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist")
-    records = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); JSONL files are UTF-8") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number} is not JSON ({e.msg}); one JSON object per line") from None
-        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-        if missing:
-            raise ConfigError(f"{path}:{number} has no field {missing[0]!r}; {fix}")
-        records.append((number, record))
-    return records
+    with open(path, "rb") as f:
+        offset = 0
+        for number, raw in enumerate(f, start=1):
+            bom = number == 1 and raw.startswith(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")[1 if bom else 0:]
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{number} is not UTF-8 text ({e.reason} at byte {offset + e.start}); "
+                                  "JSONL files are UTF-8") from None
+            offset += len(raw)
+            del raw  # a 50 MB line: its bytes go before json.loads makes its string
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{number} is not JSON ({e.msg}); one JSON object per line") from None
+            missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+            if missing:
+                raise ConfigError(f"{path}:{number} has no field {missing[0]!r}; {fix}")
+            yield number, record
 
 
 @dataclass
@@ -69,7 +77,7 @@ class Example:
 
 
 def _token_ids(value, where: str, field: str, encode: Callable[[str], list[int]], eos_id: int,
-               vocab_size: int) -> list[int]:
+               vocab_size: int, limit: int | None = None) -> list[int]:
     if isinstance(value, str):
         ids = encode(value)
     elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -78,6 +86,7 @@ def _token_ids(value, where: str, field: str, encode: Callable[[str], list[int]]
             raise ConfigError(f"{where}: field {field!r} holds token ids outside the tokenizer's [0, {vocab_size})")
         if ids and ids[-1] == eos_id:
             ids = ids[:-1]
+        ids = ids[:limit]  # as far as a text is tokenised
     else:
         raise ConfigError(f"{where}: field {field!r} must be a string or a list of token ids, got "
                           f"{type(value).__name__}")
@@ -85,30 +94,45 @@ def _token_ids(value, where: str, field: str, encode: Callable[[str], list[int]]
 
 
 def read_examples(path: str | os.PathLike, tokenizer: T5Tokenizer, input_field: str = "input",
-                  target_field: str = "target", task_prefix: str = "") -> list[Example]:
-    """The examples of a JSONL file, tokenised (texts in one batch call: sentencepiece is fast)."""
-    records = read_jsonl(path, (input_field, target_field),
-                         "set data.input_field / data.target_field to the names your file uses")
-    inputs = [r[input_field] for _, r in records]
-    targets = [r[target_field] for _, r in records]
+                  target_field: str = "target", task_prefix: str = "", inputs_length: int | None = None,
+                  targets_length: int | None = None, skip_empty: bool = True, echo=print) -> list[Example]:
+    """The examples of a JSONL file, tokenised (texts in one batch call: sentencepiece is fast). Given
+    `inputs_length` / `targets_length`, each text is tokenised only up to one token past that length (eos
+    included), enough for `fit_lengths` to cut or refuse it, and the texts kept for predictions and scoring
+    are at most WINDOW_CHARS long. An example whose input or target is empty is skipped and counted in a
+    warning (`echo`), or refused naming its line (`skip_empty=False`)."""
+    rows = [(number, record[input_field], record[target_field]) for number, record in read_jsonl(
+        path, (input_field, target_field), "set data.input_field / data.target_field to the names your file uses")]
     # Texts go through the tokenizer in one batch; id lists pass through.
-    texts = [task_prefix + v if isinstance(v, str) else "" for v in inputs] + \
-            [v if isinstance(v, str) else "" for v in targets]
-    encoded = tokenizer.encode_batch(texts)
-    examples = []
-    for i, (number, _) in enumerate(records):
+    inputs = [task_prefix + v if isinstance(v, str) else "" for _, v, _ in rows]
+    encoded_inputs = tokenizer.encode_batch(inputs, inputs_length)
+    encoded_targets = tokenizer.encode_batch([v if isinstance(v, str) else "" for _, _, v in rows], targets_length)
+    examples, empty = [], {"input": 0, "target": 0}
+    for i, (number, input_value, target_value) in enumerate(rows):
         where = f"{path}:{number}"
-        input_ids = _token_ids(inputs[i], where, input_field, lambda _: encoded[i], tokenizer.eos_id,
-                               tokenizer.vocab_size)
-        if len(input_ids) == 1:
-            raise ConfigError(f"{where}: the input is empty; every example needs input text")
-        target_ids = _token_ids(targets[i], where, target_field, lambda _: encoded[len(records) + i],
-                                tokenizer.eos_id, tokenizer.vocab_size)
-        text = task_prefix + inputs[i] if isinstance(inputs[i], str) else tokenizer.decode(input_ids[:-1])
-        target = targets[i] if isinstance(targets[i], str) else tokenizer.decode(target_ids[:-1])
-        examples.append(Example(input_ids, target_ids, text, target.strip(), where))
+        input_ids = _token_ids(input_value, where, input_field, lambda _: encoded_inputs[i], tokenizer.eos_id,
+                               tokenizer.vocab_size, inputs_length)
+        target_ids = _token_ids(target_value, where, target_field, lambda _: encoded_targets[i], tokenizer.eos_id,
+                                tokenizer.vocab_size, targets_length)
+        blank = [which for which, value, ids in (("input", input_value, input_ids),
+                                                 ("target", target_value, target_ids))
+                 if len(ids) == 1 or (isinstance(value, str) and not value.strip())]
+        if blank:
+            if not skip_empty:
+                raise ConfigError(f"{where}: the {blank[0]} is empty; give every example an input and a target, or "
+                                  "set data.skip_empty=true to skip such examples")
+            for which in blank:
+                empty[which] += 1
+            continue
+        text = inputs[i] if isinstance(input_value, str) else tokenizer.decode(input_ids[:-1])
+        target = target_value if isinstance(target_value, str) else tokenizer.decode(target_ids[:-1])
+        examples.append(Example(input_ids, target_ids, text[:WINDOW_CHARS], target[:WINDOW_CHARS].strip(), where))
+    skipped = len(rows) - len(examples)
+    if skipped:
+        echo(f"warning: skipped {skipped} of {len(rows)} examples of {path} with an empty input ({empty['input']}) "
+             f"or target ({empty['target']}); data.skip_empty=false refuses them")
     if not examples:
-        raise ConfigError(f"{path} holds no examples")
+        raise ConfigError(f"{path} holds no examples" + (" with an input and a target" if skipped else ""))
     return examples
 
 
@@ -120,10 +144,10 @@ def fit_lengths(examples: list[Example], inputs_length: int, targets_length: int
     for e in examples:
         if len(e.input_ids) > inputs_length or len(e.target_ids) > targets_length:
             if not truncate:
-                which, n, limit = (("input", len(e.input_ids), inputs_length) if len(e.input_ids) > inputs_length
-                                   else ("target", len(e.target_ids), targets_length))
-                raise ConfigError(f"{e.source}: the {which} has {n} tokens (eos included), more than data."
-                                  f"{which}s_length={limit}; raise it, or set data.truncate=true to cut examples")
+                which, limit = (("input", inputs_length) if len(e.input_ids) > inputs_length
+                                else ("target", targets_length))
+                raise ConfigError(f"{e.source}: the {which} has more than data.{which}s_length={limit} tokens "
+                                  "(eos included); raise it, or set data.truncate=true to cut examples")
             cut_inputs += len(e.input_ids) > inputs_length
             cut_targets += len(e.target_ids) > targets_length
             e = Example(e.input_ids[:inputs_length - 1] + e.input_ids[-1:],
@@ -299,7 +323,8 @@ def read_splits(d, tokenizer: T5Tokenizer, train_file: str, valid_file: str | No
     targets_length; without `valid_file`, contiguous ranges of train_file's lines in proportion to data.split.
     `valid_key` is the config key to name when a split is empty."""
     def examples_of(path: str) -> list[Example]:
-        examples = read_examples(path, tokenizer, input_field, target_field, task_prefix)
+        examples = read_examples(path, tokenizer, input_field, target_field, task_prefix, d.inputs_length,
+                                 d.targets_length, d.skip_empty, echo)
         return fit_lengths(examples, d.inputs_length, d.targets_length, d.truncate, echo)
 
     train = examples_of(train_file)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -30,6 +31,28 @@ TOKENIZER_JSON = "tokenizer.json"
 NUM_SENTINELS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 _SPECIAL = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+# Characters tokenised per call: `tokenizers` holds ~150 bytes per character of the text it works on, so a
+# longer text (a 50 MB line) goes through in windows of this size (`T5Tokenizer.windows`).
+WINDOW_CHARS = 1 << 16
+
+# Characters that join the preceding character into one grapheme cluster beyond the marks (Unicode's
+# Extend and SpacingMark classes outside categories M*/Cf), and Prepend characters, which join the next.
+_EXTENDS = frozenset("\u0e33\u0eb3\uff9e\uff9f" + "".join(map(chr, range(0x1F3FB, 0x1F400))))
+_PREPENDS = frozenset("\u0d4e\U000111c2\U000111c3\U0001193f\U00011941\U00011a3a\U00011a84\U00011a85\U00011a86"
+                      "\U00011a87\U00011a88\U00011a89\U00011d46\U00011f02")
+
+
+def joins_a_neighbour(word: str) -> bool:
+    """Could the first character of `word` join a space before it into one grapheme cluster, or its last a
+    space after it? (A combining mark after a space does.) Errs towards yes: unassigned characters do."""
+    first, last = word[0], word[-1]
+    return (unicodedata.category(first) in ("Mn", "Mc", "Me", "Cf", "Cn", "Co") or first in _EXTENDS
+            or unicodedata.category(last) in ("Cf", "Cn", "Co") or last in _PREPENDS)
+
+
+def _stands_alone(c: str) -> bool:
+    """A letter, digit, punctuation mark or symbol that joins neither neighbour into a grapheme cluster."""
+    return unicodedata.category(c)[0] in "LNPS" and c not in _EXTENDS and c not in _PREPENDS
 
 
 class TokenizerError(T5ForgeError):
@@ -130,6 +153,7 @@ class T5Tokenizer:
                 break
             self.sentinel_ids.append(token_id)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self._space: re.Pattern | None = None  # made by `windows`, for long texts only
 
     def _extra_ids(self) -> int:
         config = self.path / "tokenizer_config.json"
@@ -151,11 +175,50 @@ class T5Tokenizer:
                 f"{len(self.sentinel_ids)} sentinels; use a T5 tokenizer with 100 extra ids")
         return self.sentinel_ids[i]
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of `text` (no eos), or only its first `limit`. A text longer than WINDOW_CHARS goes through
+        the tokenizer a window at a time (`windows`), stopping once `limit` ids are in: a 50 MB line costs
+        one window's memory, and a limited one one window's work."""
+        if len(text) <= WINDOW_CHARS:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            return ids if limit is None else ids[:limit]
+        ids = []
+        for piece in self.windows(text):
+            ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+            if limit is not None and len(ids) >= limit:
+                return ids[:limit]
+        return ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], limit: int | None = None) -> list[list[int]]:
+        """`encode` of each text: those up to WINDOW_CHARS long in one call (`tokenizers` runs it in parallel)."""
+        short = [i for i, text in enumerate(texts) if len(text) <= WINDOW_CHARS]
+        encoded: list = [None] * len(texts)
+        for i, e in zip(short, self.tokenizer.encode_batch([texts[i] for i in short], add_special_tokens=False)):
+            encoded[i] = e.ids if limit is None else e.ids[:limit]
+        return [self.encode(text, limit) if ids is None else ids for text, ids in zip(texts, encoded)]
+
+    def windows(self, text: str, size: int = WINDOW_CHARS) -> Iterator[str]:
+        """`text` in consecutive pieces of at most `size` characters whose ids, back to back, are the ids of the
+        whole text. The tokenizer segments each word on its own, so a piece ends just before the last space in
+        its second half that stays a space through the normaliser and has a character on either side that
+        forms a grapheme cluster of its own (the normaliser works per cluster). A piece without one (a run of
+        size/2 characters without such a space: a blob, or unspaced scripts) is cut at `size` inside a word,
+        where the ids beside the cut can differ from the whole text's."""
+        if self._space is None:  # whitespace the normaliser keeps as whitespace (\x1c-\x1f: not for `tokenizers`)
+            normalize = self.tokenizer.normalizer.normalize_str if self.tokenizer.normalizer else str
+            spaces = [c for c in map(chr, range(0x3001)) if c.isspace() and c not in "\x1c\x1d\x1e\x1f"
+                      and normalize(f"a{c}b") == "a b"]
+            self._space = re.compile("[" + "".join(map(re.escape, spaces)) + "]")
+        start = 0
+        while len(text) - start > size:
+            end = start + size
+            for match in self._space.finditer(text, start + size // 2, end):
+                at = match.start()
+                if _stands_alone(text[at - 1]) and _stands_alone(text[at + 1]):
+                    end = at
+            yield text[start:end]
+            start = end
+        yield text[start:]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -180,7 +243,7 @@ ALL = "all"  # the name of untagged inputs in that report
 
 def _lines(files: list[Path]) -> Iterator[str]:
     for file in files:
-        with open(file, encoding="utf-8", errors="replace") as f:
+        with open(file, encoding="utf-8-sig", errors="replace") as f:  # a byte-order mark is no text
             for line in f:
                 line = line.strip()
                 if line:
@@ -237,10 +300,10 @@ def select_lines(files: list[Path], sentences: int, size: int, rng: np.random.Ge
 
 def coverage(tokenizer, lines: list[str], unk_id: int = UNK_ID) -> tuple[int, float]:
     """(characters, share of them not encoded as unk), whitespace not counted; a character that the normaliser
-    expands (e.g. ½ -> 1⁄2) counts as unk when any part of it is."""
+    expands (e.g. ½ -> 1⁄2) counts as unk when any part of it is. Of each line, the first WINDOW_CHARS characters."""
     characters = unknown = 0
     for begin in range(0, len(lines), 4096):
-        chunk = lines[begin:begin + 4096]
+        chunk = [line[:WINDOW_CHARS] for line in lines[begin:begin + 4096]]  # bounded work on a 50 MB line
         characters += sum(len("".join(line.split())) for line in chunk)
         for line, encoding in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
             if unk_id in encoding.ids:

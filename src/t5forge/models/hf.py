@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -111,21 +112,44 @@ def config_to_hf(config: T5Config, dtype: torch.dtype = torch.float32) -> dict[s
 
 
 # -- weights -----------------------------------------------------------------------------------------------
+def _reason(error: BaseException) -> str:
+    """What torch or safetensors says went wrong, in one line: their messages run over several lines (torch's
+    weights-only refusal explains how to unpickle anyway; the reason is after "WeightsUnpickler error:")."""
+    text = str(error).split("WeightsUnpickler error:")[-1]
+    line = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    line = line.split(". ")[0].removesuffix(".")  # the first sentence: the rest is advice for torch users
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or corrupt, copy it again") from e
+        raise CheckpointError(f"cannot read {file}: {_reason(e)}; the file is truncated or corrupt, copy it "
+                              "again") from e
 
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    # weights_only: never unpickle arbitrary objects from a checkpoint. Memory-mapped, except the files
+    # torch wrote before its zip format (torch < 1.6), which cannot be.
     try:
-        # weights_only: never unpickle arbitrary objects from a checkpoint.
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many types (pickle, zip, runtime) for a bad file
-        raise CheckpointError(f"cannot read {file}: {e}; the file is truncated, corrupt or not weights-only") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file} does not hold a state dict")
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "_use_new_zipfile_serialization=True" not in str(e):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # what the weights-only unpickler refuses
+        if "Unsupported global" in str(e):
+            raise CheckpointError(f"{file} holds Python objects; t5forge loads weights only: convert it to "
+                                  "safetensors with a trusted tool") from e
+        raise CheckpointError(f"cannot read {file}: not a PyTorch weights file ({_reason(e)}); the file is "
+                              "corrupt or of another format") from e
+    except Exception as e:  # torch raises many types (zip, runtime, OS) for a bad file
+        raise CheckpointError(f"cannot read {file}: {_reason(e)}; the file is truncated or corrupt, copy it "
+                              "again") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{file} does not hold a state dict of tensors; give a model's weights")
     return state
 
 
@@ -182,8 +206,8 @@ class HFTensorReader:
                 try:
                     source = safe_open(file, framework="pt")
                 except (SafetensorError, OSError, ValueError) as e:
-                    raise CheckpointError(f"cannot read {file}: {e}; the file is truncated or corrupt, copy it "
-                                          "again") from e
+                    raise CheckpointError(f"cannot read {file}: {_reason(e)}; the file is truncated or corrupt, "
+                                          "copy it again") from e
             else:
                 source = _load_bin(file)  # memory-mapped: tensors are read when sliced
             for key in source.keys():

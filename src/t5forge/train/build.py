@@ -211,7 +211,7 @@ class RunPlan:
 
 def plan_run(run: RunConfig, world_size: int) -> RunPlan:
     """Every check a run can make before a process group exists (cheap, on every rank), and its numbers."""
-    check_output_dir(Path(run.train.output_dir))
+    check_output_dir(Path(run.train.output_dir), run.train.overwrite_output_dir)
     global_batch_size, accumulation = batch_arithmetic(run.train.global_batch_size, run.train.micro_batch_size,
                                                        run.parallel.dp)
     model_config = build_model_config(run)
@@ -240,10 +240,24 @@ def plan_run(run: RunConfig, world_size: int) -> RunPlan:
                    targets_length=targets, max_steps=max_steps, pp_layers=pp_layers)
 
 
-def check_output_dir(path: Path) -> None:
-    """train.output_dir is a directory this process can write, or can be created as one."""
+# Files only a t5forge run writes, any of which (or its temp file, ".NAME.tmp-...", left by a run killed while
+# writing it) makes a directory a run: config.yaml comes once the run is built, and a mixture's index cache,
+# checkpoints or metrics can be there without it.
+RUN_DIR_MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "mixture-cache", "comm_audit.json")
+
+
+def check_output_dir(path: Path, overwrite: bool = False) -> None:
+    """train.output_dir is a directory this process can write, or can be created as one; one that exists is
+    empty or a t5forge run (to resume, or refuse by train.resume), unless `overwrite`
+    (train.overwrite_output_dir): the run's files must not mix silently with someone else's."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"train.output_dir={path} is a file, not a directory; choose another train.output_dir")
+    if path.is_dir() and not overwrite:
+        names = sorted(p.name for p in path.iterdir())
+        if names and not any(name.lstrip(".").startswith(RUN_DIR_MARKERS) for name in names):
+            raise ConfigError(f"train.output_dir={path} is not empty ({', '.join(names[:3])}"
+                              f"{', ...' if len(names) > 3 else ''}) and holds no t5forge run; choose a new "
+                              "directory, or set train.overwrite_output_dir=true to write the run beside those files")
     existing = next(p for p in [path, *path.parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"train.output_dir={path} cannot be written ({existing} is not a writable directory); "
