@@ -37,6 +37,11 @@ VALUES = st.one_of(
     st.text(max_size=12))
 
 
+class TrainingArguments:
+    """What a training script pickles beside its weights (a .bin a user might be handed)."""
+
+
+
 def outcome(run) -> str:
     """'ok', or 'refused' for a T5ForgeError; any other exception fails the test that calls it."""
     try:
@@ -157,12 +162,11 @@ def test_a_corpus_of_damaged_files_gives_exit_2_and_one_line(tmp_path, dataset_p
     (someones_files / "notes.txt").write_text("not a run")
 
     def python_objects(directory: Path) -> None:
-        import argparse
-
         import torch
 
         (directory / "model.safetensors").unlink()
-        torch.save({"shared.weight": torch.zeros(2), "args": argparse.Namespace(lr=1)}, directory / "pytorch_model.bin")
+        # (an object of this module: torch's weights-only unpickler allows some standard ones, argparse.Namespace)
+        torch.save({"shared.weight": torch.zeros(2), "args": TrainingArguments()}, directory / "pytorch_model.bin")
 
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text('{"input": "a", "target": "b"}\n')

@@ -122,7 +122,7 @@ def test_from_scratch_finetuning_learns_the_training_targets(tmp_path, tokenizer
     (["finetune.best_metric=accuracy"], "finetune.best_metric='accuracy' is not one of exact_match"),
     (["data.input_field=question"], r"functions.jsonl:1 has no field 'question'"),
     (["data.train_file=MISSING.jsonl"], "MISSING.jsonl does not exist"),
-    (["data.truncate=false", "data.inputs_length=4"], r"functions.jsonl:\d+: the input has \d+ tokens"),
+    (["data.truncate=false", "data.inputs_length=4"], r"functions.jsonl:\d+: the input has more than data.inputs_length=4 tokens"),
     (["model.preset=null", "model.path=RUN"], r"is a t5forge run without an HF export"),
 ])
 def test_bad_input_is_refused_with_exit_2(tmp_path, task_file, tokenizer_dir, capsys, overrides, message):
