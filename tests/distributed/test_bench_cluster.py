@@ -37,9 +37,10 @@ def test_two_namespace_nodes_measure_what_the_planner_predicts(corpus_file, toke
     for name, entry in result["cases"].items():
         measured, predicted = entry["measured"], entry["predicted"]
         assert measured["audit_ok"], name
-        # What each node's interface sent per step (TCP/IP headers included) is the planner's NIC bytes.
+        # What each node's interface sent per step is the planner's NIC bytes, plus headers: TCP/IP's and
+        # gloo's per message weigh up to ~10% on this tiny model's small tensors (~1% in benchmarks/cluster.md).
         planned = predicted["bytes_per_step"]["inter_node"] * entry["ranks_per_node"]
-        assert planned <= measured["interface_bytes_per_step"] <= 1.1 * planned, name
+        assert planned <= measured["interface_bytes_per_step"] <= 1.2 * planned, name
     assert "tp" not in result["cases"]["good"]["measured"]["inter_node_bytes_by_dim"]
     assert result["cases"]["bad"]["measured"]["inter_node_bytes_by_dim"]["tp"] > 0
     assert "| good |" in (tmp_path / "out" / "cluster.md").read_text()
