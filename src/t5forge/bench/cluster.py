@@ -1,6 +1,6 @@
-"""`t5forge bench cluster`: LiBai's 1n4g against 2n4g comparison at CPU scale (1n4g against 2n2g), on "nodes" that are network
-namespaces joined by a rate-limited link (t5forge.testing.cluster), one torchrun agent per node as on a real
-cluster, and the planner's time model checked against every case.
+"""`t5forge bench cluster`: LiBai's 1n4g against 2n4g comparison at CPU scale (1n4g against 2n2g), on "nodes"
+that are network namespaces joined by a rate-limited link (t5forge.testing.cluster), one torchrun agent per node
+as on a real cluster, and the planner's time model checked against every case.
 
 Each case is a LiBai-style benchmark name (bench/names.py) plus a rank order (parallel.rank_order): the
 LiBai layouts (dp x tp with ZeRO-2 and full recompute) on 1 node x 4 ranks and on 2 nodes x 2 ranks, pure
@@ -10,10 +10,10 @@ warms up, the second is audited (every collective against comm_model, labelled b
 rest are timed, with the bytes that crossed each node's network interface counted around them.
 
 The prediction for each case is the planner's (parallel/planner.py), on a Cluster whose numbers were measured
-first, in the same namespaces, by a probe job that runs no case: the FLOP rate of a rank while every rank
-computes (forward and backward passes of the case's model, no communication), and the latency and bandwidth
-of an all-reduce between two ranks of a node and between two nodes, every pair at once (as the layouts
-communicate). Nothing is fitted to the cases' step times. Writes OUTPUT_DIR/cluster.json and cluster.md."""
+first, in the same namespaces, by probe jobs that run no case: the FLOP rate of a whole one-rank training step
+of the case's model while every rank computes alone (compute_worker), and per cluster shape the latency (between
+computation) and bandwidth of all-reduces inside nodes and between them, every group at once (link_worker).
+Nothing is fitted to the cases' step times. Writes OUTPUT_DIR/cluster.json and cluster.md."""
 
 from __future__ import annotations
 
@@ -47,10 +47,6 @@ CASES = {
 # between two latency probes, about what a rank of the cases computes between two tensor-parallel collectives.
 SMALL_BYTES, LARGE_BYTES = 4096, 8 * 2**20
 LOADED_INTERVAL_S = 0.003
-
-
-def case_name(family: str, parallel: str) -> str:
-    return f"{family}_{SHAPE}_{parallel}"
 
 
 # -- inside the ranks --------------------------------------------------------------------------------------
