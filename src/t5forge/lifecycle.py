@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from t5forge.errors import ConfigError
+
 _PR_SET_PDEATHSIG = 1
 # Added to LOCAL_RANK to find a process's GPU (parallel.mesh.device_index): `launch` sets it for each torchrun
 # agent after the first that emulates a node on this machine, whose LOCAL_RANKs also start at 0.
@@ -76,8 +78,6 @@ def check_torch_floor() -> None:
 
     import torch
     from torch.torch_version import TorchVersion
-
-    from t5forge.errors import ConfigError
 
     try:
         requirements = metadata.requires("t5forge") or []
@@ -162,8 +162,6 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
             raise
         unmet = [(i, reason) for i, error in enumerate(errors) if (reason := _read(error))]
         if unmet:
-            from t5forge.errors import ConfigError
-
             within = f"{rendezvous_timeout} s" if rendezvous_timeout is not None else "torchrun's timeout"
             raise ConfigError(f"{len(unmet)} of {nodes} torchrun agents could not join the rendezvous at {host}:{port} "
                               f"within {within}: " + "; ".join(f"agent {i}: {reason}" for i, reason in unmet))

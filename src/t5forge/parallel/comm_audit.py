@@ -44,7 +44,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t5forge.parallel.comm_model import INTER_NODE, INTRA_NODE
+from t5forge.parallel.comm_model import INTER_NODE, INTRA_NODE, link_of
 from t5forge.parallel.timing import SpanTimer
 
 # op name (without overload) -> collective type, for both namespaces.
@@ -256,7 +256,7 @@ class CollectiveRecorder(TorchDispatchMode):
             ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
             link = None
             if self.nodes is not None:
-                link = INTER_NODE if len({self.nodes[r] for r in ranks}) > 1 else INTRA_NODE
+                link = link_of(self.nodes[r] for r in ranks)
             self._labels[group_name] = (self.dims.get(frozenset(ranks), f"ranks {sorted(ranks)}"), link)
         return self._labels[group_name]
 
@@ -277,7 +277,7 @@ class CollectiveRecorder(TorchDispatchMode):
             dim, link = self._labels_of(group.group_name)
             if kind in ("send", "recv") and self.nodes is not None:  # (tensors, group, peer's group rank, tag)
                 peer = dist.get_process_group_ranks(group)[args[2]]
-                link = INTER_NODE if self.nodes[peer] != self.nodes[dist.get_rank()] else INTRA_NODE
+                link = link_of((self.nodes[peer], self.nodes[dist.get_rank()]))
             collective = Collective(kind, dim, self.phase, _c10d_bytes(kind, name, args), link=link)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in FUNCTIONAL_OPS:
             kind = FUNCTIONAL_OPS[name]

@@ -375,13 +375,18 @@ def _tied_elements(config: T5Config, layout: Layout, specs: list[StageSpec],
 INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
 
 
+def _placed(layout: Layout, rank: int):
+    """(the [pp, dp, tp] -> global rank grid of the layout's placement, `rank`'s (pp, dp, tp) coordinates)."""
+    grid = mesh_ranks(layout.pp, layout.dp, layout.tp, layout.rank_order)
+    return grid, (grid == rank).nonzero()[0].tolist()
+
+
 def group_ranks(dims: str, layout: Layout, rank: int) -> list[int]:
     """The global ranks of the group over mesh dims `dims` ("dp", "pp_dp", ...; "world": every rank) that
     holds `rank`, the mesh placed by layout.rank_order."""
-    grid = mesh_ranks(layout.pp, layout.dp, layout.tp, layout.rank_order)
+    grid, where = _placed(layout, rank)
     if dims == "world":
         return grid.flatten().tolist()
-    where = (grid == rank).nonzero()[0].tolist()  # rank's (pp, dp, tp) coordinates
     index = tuple(slice(None) if d in dims.split("_") else where[i] for i, d in enumerate(MESH_DIMS))
     return sorted(grid[index].flatten().tolist())
 
@@ -391,14 +396,13 @@ def requirement_ranks(r: Requirement, layout: Layout, rank: int) -> list[int]:
     pipeline ranks it names (r.pp_ranks), those at `rank`'s data- and tensor-parallel coordinates."""
     if not r.pp_ranks:
         return group_ranks(r.dim, layout, rank)
-    grid = mesh_ranks(layout.pp, layout.dp, layout.tp, layout.rank_order)
-    _, dp, tp = (grid == rank).nonzero()[0].tolist()
+    grid, (_, dp, tp) = _placed(layout, rank)
     return sorted(int(grid[p, dp, tp]) for p in r.pp_ranks)
 
 
-def link_of(ranks: list[int], ranks_per_node: int) -> str:
-    """INTER_NODE when the ranks are on more than one node (torchrun numbers a node's ranks consecutively)."""
-    return INTER_NODE if len({r // ranks_per_node for r in ranks}) > 1 else INTRA_NODE
+def link_of(nodes) -> str:
+    """INTER_NODE when the nodes of a group's ranks (an iterable, one per rank) are more than one."""
+    return INTER_NODE if len(set(nodes)) > 1 else INTRA_NODE
 
 
 def link_totals(requirements: list[Requirement], layout: Layout, ranks_per_node: int,
@@ -407,7 +411,8 @@ def link_totals(requirements: list[Requirement], layout: Layout, ranks_per_node:
     crosses, nodes of `ranks_per_node` consecutive ranks."""
     out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
     for r in requirements:
-        entry = out[(r.kind, r.dim, link_of(requirement_ranks(r, layout, rank), ranks_per_node))]
+        # torchrun numbers a node's ranks consecutively
+        entry = out[(r.kind, r.dim, link_of(g // ranks_per_node for g in requirement_ranks(r, layout, rank)))]
         entry["count"] += r.count
         entry["bytes"] += r.nbytes
     return dict(out)
