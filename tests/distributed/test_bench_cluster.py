@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import t5forge.testing.cluster as netns
-from t5forge.bench.cluster import BAD, GOOD, run_cluster_benchmark
+from t5forge.bench.cluster import BAD, GOOD, cpu_summary, run_cluster_benchmark
 from t5forge.cli import main
 
 
@@ -20,6 +20,17 @@ def test_the_benchmark_says_in_one_line_why_it_cannot_run(monkeypatch, tmp_path,
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "network namespaces" in err and "`tc` not found" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_cpu_busy_is_all_ranks_cpu_seconds_over_the_cores_seconds_of_a_step():
+    # Two ranks, two timed steps of 1.0 s each on 2 cores: 1.5 + 0.3 and 1.1 + 0.2 CPU seconds per step.
+    def rank(user, system, waits):
+        return {"elapsed_s": 2.0, "step_s": [1.0, 1.0], "cpu_per_step": {
+            "user_s": user, "system_s": system, "voluntary_switches": waits, "involuntary_switches": 1}}
+    cpu = cpu_summary([rank(1.5, 0.3, 10), rank(1.1, 0.2, 30)], cores=2)
+    assert cpu["busy"] == pytest.approx((1.5 + 0.3 + 1.1 + 0.2) / (2 * 1.0))
+    assert cpu["user_s_per_rank"] == pytest.approx(1.3) and cpu["system_s_per_rank"] == pytest.approx(0.25)
+    assert cpu["voluntary_switches_per_rank"] == 20
 
 
 @pytest.mark.e2e
@@ -41,6 +52,11 @@ def test_two_namespace_nodes_measure_what_the_planner_predicts(corpus_file, toke
         # gloo's per message weigh up to ~10% on this tiny model's small tensors (~1% in benchmarks/cluster.md).
         planned = predicted["bytes_per_step"]["inter_node"] * entry["ranks_per_node"]
         assert planned <= measured["interface_bytes_per_step"] <= 1.2 * planned, name
+        # The ranks' CPU time cannot exceed the cores' time (getrusage ticks allow a little over), and gloo's
+        # sockets cost the kernel time in every rank.
+        assert 0 < measured["cpu"]["busy"] <= 1.05, name
+        assert measured["cpu"]["system_s_per_rank"] > 0, name
     assert "tp" not in result["cases"]["good"]["measured"]["inter_node_bytes_by_dim"]
     assert result["cases"]["bad"]["measured"]["inter_node_bytes_by_dim"]["tp"] > 0
-    assert "| good |" in (tmp_path / "out" / "cluster.md").read_text()
+    report = (tmp_path / "out" / "cluster.md").read_text()
+    assert "| good |" in report and "CPU busy" in report

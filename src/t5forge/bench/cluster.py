@@ -7,7 +7,9 @@ LiBai layouts (dp x tp with ZeRO-2 and full recompute) on 1 node x 4 ranks and o
 data parallelism across the two nodes, and a deliberately bad mapping that puts the tensor-parallel groups
 across nodes. For both vocabularies (T5's 32k, mT5's 250k) each case runs 2 + STEPS training steps: the first
 warms up, the second is audited (every collective against comm_model, labelled by the link it crossed), the
-rest are timed, with the bytes that crossed each node's network interface counted around them.
+rest are timed, with the bytes that crossed each node's network interface and every rank's CPU seconds counted
+around them (all ranks share this machine's cores: how busy they keep them says whether a step is bound by
+CPU work or by latencies and links).
 
 The prediction for each case is the planner's (parallel/planner.py), on a Cluster whose numbers were measured
 first, in the same namespaces, by probe jobs that run no case: the FLOP rate of a whole one-rank training step
@@ -21,6 +23,7 @@ import gc
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -65,13 +68,21 @@ def _write_rank_report(out: str, report: dict) -> None:
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
+def _cpu_use() -> dict[str, float]:
+    """This process's CPU seconds (all its threads: gloo's included) and context switches so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": usage.ru_utime, "system_s": usage.ru_stime, "voluntary_switches": usage.ru_nvcsw,
+            "involuntary_switches": usage.ru_nivcsw}
+
+
 def _micro_batches(loader, count: int) -> list[dict]:
     return [next(loader) for _ in range(count)]
 
 
 def case_worker(config: str, out: str, overrides: list[str]) -> None:
     """Run under torchrun: a warm-up step, the audited step (comm_audit.json of rank 0 in OUT), STEPS timed
-    steps between barriers with this node's interface counted around them; OUT/rank{R}.json."""
+    steps between barriers with this node's interface and this rank's CPU use counted around them;
+    OUT/rank{R}.json."""
     import torch.distributed as dist
 
     from t5forge.config import load_config
@@ -91,17 +102,18 @@ def case_worker(config: str, out: str, overrides: list[str]) -> None:
     # its workers in a real run).
     timed = [_micro_batches(loader, trainer.accumulation) for _ in range(STEPS)]
     dist.barrier()
-    before, start = _interface_bytes(), time.perf_counter()
+    before, cpu_before, start = _interface_bytes(), _cpu_use(), time.perf_counter()
     seconds = []
     for batches in timed:
         step_start = time.perf_counter()
         float(trainer.train_step(batches))  # waits for the step's result
         seconds.append(time.perf_counter() - step_start)
     dist.barrier()
-    elapsed, after = time.perf_counter() - start, _interface_bytes()
+    elapsed, after, cpu_after = time.perf_counter() - start, _interface_bytes(), _cpu_use()
     report = {"rank": dist.get_rank(), "node": int(os.environ.get("GROUP_RANK", "0")),
               "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "step_s": seconds, "elapsed_s": elapsed,
-              "interface_bytes_per_step": None if before is None else (after - before) / STEPS}
+              "interface_bytes_per_step": None if before is None else (after - before) / STEPS,
+              "cpu_per_step": {key: (cpu_after[key] - cpu_before[key]) / STEPS for key in cpu_after}}
     if dist.get_rank() == 0:
         report["audit"] = audit
     _write_rank_report(out, report)
@@ -283,8 +295,24 @@ def predict(config: Path, overrides: list[str], nodes: int, ranks_per_node: int,
     return prediction_dict(planner.predict(candidate))
 
 
+def cpu_summary(reports: list[dict], cores: int) -> dict:
+    """How busy the ranks kept the machine's `cores` during the timed steps: every rank's CPU seconds per step
+    (user + system, all threads) over the cores' seconds in rank 0's time per step. Near 1, the step is bound
+    by the CPU work of all ranks together (ranks share cores: time a rank waits for a collective, another
+    computes); well below it, by latencies and the link."""
+    step_s = reports[0]["elapsed_s"] / len(reports[0]["step_s"])
+    user = [r["cpu_per_step"]["user_s"] for r in reports]
+    system = [r["cpu_per_step"]["system_s"] for r in reports]
+    return {"cores": cores, "user_s_per_rank": statistics.mean(user), "system_s_per_rank": statistics.mean(system),
+            "busy": (sum(user) + sum(system)) / (cores * step_s),
+            "voluntary_switches_per_rank": statistics.mean(r["cpu_per_step"]["voluntary_switches"] for r in reports),
+            "involuntary_switches_per_rank": statistics.mean(r["cpu_per_step"]["involuntary_switches"]
+                                                             for r in reports)}
+
+
 def _summary(reports: list[dict], ranks_per_node: int) -> dict:
-    """A case's measurements: rank 0's time per step between barriers, the audit, each node's interface."""
+    """A case's measurements: rank 0's time per step between barriers, the audit, each node's interface, the
+    ranks' CPU use."""
     rank0 = reports[0]
     audit = rank0["audit"]
     interface = [r["interface_bytes_per_step"] for r in reports if r["local_rank"] == 0]
@@ -296,7 +324,7 @@ def _summary(reports: list[dict], ranks_per_node: int) -> dict:
             "exposed_ms": audit["totals"]["exposed_ms"], "exposed_share": audit["totals"]["share"],
             "audit_ok": audit["ok"], "audit_links": audit["links"], "inter_node_bytes_by_dim": inter_by_dim,
             "interface_bytes_per_step": None if None in interface else statistics.mean(interface),
-            "audit": audit}
+            "cpu": cpu_summary(reports, os.cpu_count() or 1), "audit": audit}
 
 
 def run_cluster_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, rate: str = RATE,
@@ -354,6 +382,13 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.1f}"
 
 
+def _busy(cpu: dict | None) -> str:
+    """The CPU-busy share with each rank's system seconds, or - for results measured before it was counted."""
+    if cpu is None:
+        return "-"
+    return f"{100 * cpu['busy']:.0f}% (sys {cpu['system_s_per_rank']:.2f} s/rank)"
+
+
 def render_markdown(r: dict) -> str:
     m = r["machine"]
     lines = [
@@ -371,7 +406,9 @@ def render_markdown(r: dict) -> str:
         "(below), fitted to nothing the cases measured: latency is that of a small all-reduce between "
         f"{LOADED_INTERVAL_S * 1e3:g} ms of computation (idle in brackets). *Inter-node bytes*: the audit's payload that crossed "
         "nodes per rank (by mesh dimension), and what each node's interface sent per timed step (tx, wire "
-        "bytes with TCP/IP headers) beside the planner's NIC bytes for the node.",
+        "bytes with TCP/IP headers) beside the planner's NIC bytes for the node. *CPU busy*: all ranks' CPU "
+        "seconds per step (user + system, gloo's threads included) over the machine's cores' seconds: near 100%, "
+        "the step is bound by the ranks' CPU work together, not by the latencies the planner charges.",
         "",
     ]
     for label, family in r["families"].items():
@@ -395,9 +432,10 @@ def render_markdown(r: dict) -> str:
             by_dim = ", ".join(f"{d} {_mb(b)}" for d, b in sorted(ms["inter_node_bytes_by_dim"].items())) or "0"
             nic = pr["bytes_per_step"]["inter_node"] * e["ranks_per_node"]
             rows.append([name, f"{ms['step_s']:.2f}", f"{pr['step_s']:.2f}", f"{100 * e['error']:+.0f}%",
-                         f"{100 * ms['exposed_share']:.0f}%", by_dim, _mb(ms["interface_bytes_per_step"]),
+                         f"{100 * ms['exposed_share']:.0f}%", _busy(ms.get("cpu")), by_dim,
+                         _mb(ms["interface_bytes_per_step"]),
                          _mb(nic if e["nodes"] > 1 else None), "yes" if ms["audit_ok"] else "NO"])
-        lines += markdown_table(["case", "measured s/step", "predicted s/step", "error", "exposed comm",
+        lines += markdown_table(["case", "measured s/step", "predicted s/step", "error", "exposed comm", "CPU busy",
                                  "inter-node MB per rank (audit)", "node tx MB/step (measured)",
                                  "node NIC MB/step (planner)", "issued = required"], rows)
         measured_order = sorted(family["cases"], key=lambda n: family["cases"][n]["measured"]["step_s"])
