@@ -25,9 +25,9 @@ def test_the_benchmark_says_in_one_line_why_it_cannot_run(monkeypatch, tmp_path,
 def test_cpu_busy_is_all_ranks_cpu_seconds_over_the_cores_seconds_of_a_step():
     # Two ranks, two timed steps of 1.0 s each on 2 cores: 1.5 + 0.3 and 1.1 + 0.2 CPU seconds per step.
     def rank(user, system, waits):
-        return {"elapsed_s": 2.0, "step_s": [1.0, 1.0], "cpu_per_step": {
-            "user_s": user, "system_s": system, "voluntary_switches": waits, "involuntary_switches": 1}}
-    cpu = cpu_summary([rank(1.5, 0.3, 10), rank(1.1, 0.2, 30)], cores=2)
+        return {"cpu_per_step": {"user_s": user, "system_s": system, "voluntary_switches": waits,
+                                 "involuntary_switches": 1}}
+    cpu = cpu_summary([rank(1.5, 0.3, 10), rank(1.1, 0.2, 30)], step_s=1.0, cores=2)
     assert cpu["busy"] == pytest.approx((1.5 + 0.3 + 1.1 + 0.2) / (2 * 1.0))
     assert cpu["user_s_per_rank"] == pytest.approx(1.3) and cpu["system_s_per_rank"] == pytest.approx(0.25)
     assert cpu["voluntary_switches_per_rank"] == 20

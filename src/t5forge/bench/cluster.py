@@ -295,19 +295,16 @@ def predict(config: Path, overrides: list[str], nodes: int, ranks_per_node: int,
     return prediction_dict(planner.predict(candidate))
 
 
-def cpu_summary(reports: list[dict], cores: int) -> dict:
+def cpu_summary(reports: list[dict], step_s: float, cores: int) -> dict:
     """How busy the ranks kept the machine's `cores` during the timed steps: every rank's CPU seconds per step
-    (user + system, all threads) over the cores' seconds in rank 0's time per step. Near 1, the step is bound
-    by the CPU work of all ranks together (ranks share cores: time a rank waits for a collective, another
-    computes); well below it, by latencies and the link."""
-    step_s = reports[0]["elapsed_s"] / len(reports[0]["step_s"])
-    user = [r["cpu_per_step"]["user_s"] for r in reports]
-    system = [r["cpu_per_step"]["system_s"] for r in reports]
-    return {"cores": cores, "user_s_per_rank": statistics.mean(user), "system_s_per_rank": statistics.mean(system),
-            "busy": (sum(user) + sum(system)) / (cores * step_s),
-            "voluntary_switches_per_rank": statistics.mean(r["cpu_per_step"]["voluntary_switches"] for r in reports),
-            "involuntary_switches_per_rank": statistics.mean(r["cpu_per_step"]["involuntary_switches"]
-                                                             for r in reports)}
+    (user + system, all threads) over the cores' seconds in the case's time per step `step_s`, and each
+    counter of _cpu_use as a mean over the ranks. Near 1, the step is bound by the CPU work of all ranks
+    together (ranks share cores: time a rank waits for a collective, another computes); well below it, by
+    latencies and the link."""
+    cpu = [r["cpu_per_step"] for r in reports]
+    out = {f"{key}_per_rank": statistics.mean(c[key] for c in cpu) for key in cpu[0]}
+    out.update(cores=cores, busy=sum(c["user_s"] + c["system_s"] for c in cpu) / (cores * step_s))
+    return out
 
 
 def _summary(reports: list[dict], ranks_per_node: int) -> dict:
@@ -315,16 +312,17 @@ def _summary(reports: list[dict], ranks_per_node: int) -> dict:
     ranks' CPU use."""
     rank0 = reports[0]
     audit = rank0["audit"]
+    step_s = rank0["elapsed_s"] / len(rank0["step_s"])
     interface = [r["interface_bytes_per_step"] for r in reports if r["local_rank"] == 0]
     inter_by_dim: dict[str, int] = {}  # measured: the links rank 0's collectives crossed
     for row in audit["link_rows"]:
         if row["link"] == "inter-node" and row["bytes"]:
             inter_by_dim[row["dim"]] = inter_by_dim.get(row["dim"], 0) + row["bytes"]
-    return {"step_s": rank0["elapsed_s"] / len(rank0["step_s"]), "step_times_s": rank0["step_s"],
+    return {"step_s": step_s, "step_times_s": rank0["step_s"],
             "exposed_ms": audit["totals"]["exposed_ms"], "exposed_share": audit["totals"]["share"],
             "audit_ok": audit["ok"], "audit_links": audit["links"], "inter_node_bytes_by_dim": inter_by_dim,
             "interface_bytes_per_step": None if None in interface else statistics.mean(interface),
-            "cpu": cpu_summary(reports, os.cpu_count() or 1), "audit": audit}
+            "cpu": cpu_summary(reports, step_s, os.cpu_count() or 1), "audit": audit}
 
 
 def run_cluster_benchmark(output_dir: str | os.PathLike, work_dir: str | os.PathLike, rate: str = RATE,
