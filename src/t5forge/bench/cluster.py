@@ -122,43 +122,120 @@ def case_worker(config: str, out: str, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _timed_all_reduce(tensor, group, repeats: int) -> float:
-    """Median seconds of an all-reduce of `tensor` over `group`, every rank starting together."""
+def _cpu_seconds() -> float:
+    usage = _cpu_use()
+    return usage["user_s"] + usage["system_s"]
+
+
+def _timed_all_reduce(tensor, group, repeats: int) -> tuple[float, float]:
+    """(median seconds, mean CPU seconds of this rank) of an all-reduce of `tensor` over `group`, every rank
+    starting together (the CPU of the barrier that starts it included)."""
     import torch.distributed as dist
 
-    times = []
+    times, cpu = [], _cpu_seconds()
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), (_cpu_seconds() - cpu) / repeats
 
 
-def compute_worker(config: str, out: str, overrides: list[str]) -> None:
+class _PhaseCPU:
+    """A Trainer phase listener (Trainer.phase): this process's CPU seconds in each phase of the step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._current, self._since = None, 0.0
+
+    @property
+    def phase(self) -> str | None:
+        return self._current
+
+    @phase.setter
+    def phase(self, name: str | None) -> None:
+        now = _cpu_seconds()
+        if self._current is not None:
+            self.seconds[self._current] = self.seconds.get(self._current, 0.0) + now - self._since
+        self._current, self._since = name, now
+
+
+def compute_worker(config: str, out: str, arguments: list[str]) -> None:
     """Run under torchrun, every rank on its own (a one-rank process group each: nothing is communicated)
-    while all compute at once: STEPS + 1 whole training steps of the case's model on one rank (tp 1, one
-    micro-batch of the case's size, its activation checkpointing), the first left out. OUT/rank{R}.json: the
-    median step's seconds; the driver turns them into the planner's FLOP rate."""
+    while all compute at once. ARGUMENTS: --tp=T1,T2,... then the one-rank step's overrides (tp 1, one
+    micro-batch of the case's size, its activation checkpointing). STEPS + 1 whole training steps of the
+    case's model, the first left out: the median step's seconds (the driver turns them into the planner's
+    FLOP rate) and its CPU seconds in the forward and backward passes and in the rest (the optimizer); then,
+    for every tensor-parallel degree T > 1 of the cases, the CPU seconds of one micro-batch's forward and
+    backward passes as a rank of T computes them (_tp_rank_cpu). OUT/rank{R}.json."""
     from t5forge.config import load_config
     from t5forge.data.loader import build_loader
+    from t5forge.train.build import build_model_config
     from t5forge.train.trainer import Trainer
 
+    tp_degrees, overrides = [int(t) for t in arguments[0].removeprefix("--tp=").split(",")], arguments[1:]
     rank = os.environ["RANK"]
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # a process of its own: Trainer makes a one-rank group (parallel/mesh.py)
     run = load_config(config, [path_override("train.output_dir", Path(out, f"run{rank}")), *overrides])
     trainer = Trainer(run, echo=lambda *_: None)
+    phases = _PhaseCPU()
+    trainer.phase_listeners.append(phases)
     loader = iter(build_loader(trainer.data.train, trainer.plan.micro_batch_size, 0, num_workers=0))
-    seconds = []
+    seconds, passes, rest = [], [], []
     for _ in range(STEPS + 1):
         batches = _micro_batches(loader, trainer.accumulation)
+        phases.seconds.clear()
         start = time.perf_counter()
         float(trainer.train_step(batches))
         seconds.append(time.perf_counter() - start)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": int(rank), "step_s": statistics.median(seconds[1:])}))
+        phases.phase = None  # closes the last phase
+        passes.append(phases.seconds.get("forward", 0.0) + phases.seconds.get("backward", 0.0))
+        rest.append(sum(phases.seconds.values()) - passes[-1])
+    microbatch_cpu = {1: statistics.median(passes[1:])}
+    for tp in tp_degrees:
+        if tp > 1:
+            microbatch_cpu[tp] = _tp_rank_cpu(build_model_config(run), run.parallel.activation_checkpointing,
+                                              run.precision.dtype, _micro_batches(loader, 1)[0], tp)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "rank": int(rank), "step_s": statistics.median(seconds[1:]), "microbatch_cpu_s": microbatch_cpu,
+        "optimizer_cpu_s": statistics.median(rest[1:])}))
     del trainer, loader
     gc.collect()
+
+
+def _tp_rank_cpu(config, activation_checkpointing: str, precision: str, batch: dict, tp: int) -> float:
+    """Median CPU seconds of STEPS forward and backward passes of one micro-batch (after one more) on a rank of
+    `tp` tensor-parallel ranks, without their collectives: the model with 1/tp of the heads, of the
+    feed-forward width and of the vocabulary, parallelized by apply_tp over a one-rank mesh, so that DTensor
+    dispatches every operation as it does for tp ranks, and the loss under loss_parallel, as Trainer runs tp.
+    The collectives are the link probe's to measure and the planner's to count."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from t5forge.models.loss import token_loss_sum
+    from t5forge.models.t5 import T5ForConditionalGeneration
+    from t5forge.parallel.activation_checkpoint import apply_ac
+    from t5forge.parallel.tensor_parallel import apply_tp
+    from t5forge.train.forward import compute_context, model_inputs
+
+    shard = dataclasses.replace(config, num_heads=config.num_heads // tp, d_ff=config.d_ff // tp,
+                                vocab_size=config.vocab_size // tp)
+    model = T5ForConditionalGeneration(shard)
+    apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    apply_ac(model, activation_checkpointing)
+    labels = batch["labels"]
+    batch = {**batch, "input_ids": batch["input_ids"] % shard.vocab_size,
+             "labels": labels.where(labels == -100, labels % shard.vocab_size)}
+    cpu = []
+    for _ in range(STEPS + 1):
+        start = _cpu_seconds()
+        with compute_context(torch.device("cpu"), precision, vocab_parallel=True):
+            token_loss_sum(model(**model_inputs(model, batch)).logits, batch["labels"]).backward()
+        cpu.append(_cpu_seconds() - start)
+    return statistics.median(cpu[1:])
 
 
 def link_worker(config: str, out: str, overrides: list[str]) -> None:
@@ -168,7 +245,8 @@ def link_worker(config: str, out: str, overrides: list[str]) -> None:
       moves 2(n-1)/n of its buffer per rank (planner.RING), so bandwidth = that over (large - small);
     - latency per hop: of an all-reduce of SMALL_BYTES issued between LOADED_INTERVAL_S of computation, as a
       tensor-parallel step issues them: the ranks share the cores, and a rank that waits for a peer waits
-      for the scheduler to run it (idle, back to back, they are several times faster; both are reported).
+      for the scheduler to run it (idle, back to back, they are several times faster; both are reported);
+    - CPU: this rank's CPU seconds per hop of those loaded all-reduces, and per byte sent of the large ones.
     OUT/rank{R}.json."""
     import torch
     import torch.distributed as dist
@@ -185,12 +263,14 @@ def link_worker(config: str, out: str, overrides: list[str]) -> None:
         group, _ = dist.new_subgroups_by_enumeration(ranks)
         n = len(ranks[0])
         hops, wire = 2 * math.ceil(math.log2(n)), 2 * (n - 1) / n
-        small = _timed_all_reduce(torch.zeros(SMALL_BYTES // 4), group, 20)
-        large = _timed_all_reduce(torch.zeros(LARGE_BYTES // 4), group, 5)
-        loaded = _loaded_all_reduce(torch.zeros(SMALL_BYTES // 4), group, work, 100)
+        small, small_cpu = _timed_all_reduce(torch.zeros(SMALL_BYTES // 4), group, 20)
+        large, large_cpu = _timed_all_reduce(torch.zeros(LARGE_BYTES // 4), group, 5)
+        loaded, loaded_cpu = _loaded_all_reduce(torch.zeros(SMALL_BYTES // 4), group, work, 100)
         links[link] = {"ranks": n, "small_s": small, "large_s": large, "loaded_s": loaded,
                        "alpha_idle_s": small / hops, "alpha_s": loaded / hops,
-                       "bandwidth": wire * LARGE_BYTES / max(large - small, 1e-9)}
+                       "bandwidth": wire * LARGE_BYTES / max(large - small, 1e-9),
+                       "hop_cpu_s": loaded_cpu / hops,
+                       "byte_cpu_s": max(0.0, large_cpu - small_cpu) / (wire * (LARGE_BYTES - SMALL_BYTES))}
     _write_rank_report(out, {"rank": dist.get_rank(), "links": links})
     dist.destroy_process_group()
 
@@ -214,21 +294,23 @@ def _matmuls_lasting(seconds: float):
     return work
 
 
-def _loaded_all_reduce(tensor, group, work, repeats: int) -> float:
-    """Seconds an all-reduce adds to a loop of `work` (the loop with it, less the loop without it)."""
+def _loaded_all_reduce(tensor, group, work, repeats: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of this rank) an all-reduce adds to a loop of `work`: the loop with it, less the
+    loop without it."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     for _ in range(repeats):
         work()
         dist.all_reduce(tensor, group=group)
-    with_collectives = time.perf_counter() - start
+    with_collectives, with_cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     for _ in range(repeats):
         work()
-    return max(0.0, (with_collectives - (time.perf_counter() - start)) / repeats)
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    return max(0.0, (with_collectives - seconds) / repeats), max(0.0, (with_cpu - cpu) / repeats)
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -245,12 +327,17 @@ def _run_job(cluster, kind: str, config: Path, overrides: list[str], processes: 
 
 def compute_rate(compute: list[dict], config: Path, overrides: list[str]) -> dict:
     """The FLOP rate at which the planner's compute of the one-rank step (`overrides`) takes the median rank's
-    measured step (compute_worker)."""
+    measured step (compute_worker), and the CPU seconds per micro-batch (by tensor-parallel degree) and of the
+    optimizer that the ranks measured."""
     unit = {"rate": 1.0, "alpha_intra_node": 0.0, "alpha_inter_node": 0.0, "bandwidth_intra_node": 1.0,
             "bandwidth_inter_node": 1.0}
     planner, candidate = _planner(config, overrides, 1, 1, GOOD, unit)
     seconds = statistics.median(r["step_s"] for r in compute)
-    return {"rate": planner.lower_bound(candidate) / seconds, "one_rank_step_s": seconds}
+    # JSON keys are strings: the tensor-parallel degrees back as ints.
+    microbatch = {int(tp): statistics.median(r["microbatch_cpu_s"][tp] for r in compute)
+                  for tp in compute[0]["microbatch_cpu_s"]}
+    return {"rate": planner.lower_bound(candidate) / seconds, "one_rank_step_s": seconds,
+            "microbatch_cpu_s": microbatch, "optimizer_cpu_s": statistics.median(r["optimizer_cpu_s"] for r in compute)}
 
 
 def link_numbers(links: list[dict]) -> dict:
@@ -259,15 +346,17 @@ def link_numbers(links: list[dict]) -> dict:
     out = {}
     for link in ("intra_node", "inter_node"):
         measured = link if link in links[0]["links"] else "intra_node"
-        for key, field in (("alpha", "alpha_s"), ("alpha_idle", "alpha_idle_s"), ("bandwidth", "bandwidth")):
+        for key, field in (("alpha", "alpha_s"), ("alpha_idle", "alpha_idle_s"), ("bandwidth", "bandwidth"),
+                           ("hop_cpu", "hop_cpu_s"), ("byte_cpu", "byte_cpu_s")):
             out[f"{key}_{link}"] = statistics.median(r["links"][measured][field] for r in links)
     return out
 
 
 def _planner(config: Path, overrides: list[str], nodes: int, ranks_per_node: int, rank_order: str, measured: dict):
-    """(the planner on a Cluster of the `measured` numbers, the run's layout as its Candidate)."""
+    """(the planner on a Cluster of the `measured` numbers, the run's layout as its Candidate). With CPU costs
+    among them (compute_rate, link_numbers), its ranks share this machine's cores."""
     from t5forge.config import load_config
-    from t5forge.parallel.planner import Candidate, Cluster, Planner, Workload
+    from t5forge.parallel.planner import Candidate, Cluster, Planner, SharedCores, Workload
     from t5forge.train.build import build_model_config, targets_length
 
     run = load_config(config, [path_override("train.output_dir", config.parent / "cluster-predict"), *overrides])
@@ -276,7 +365,12 @@ def _planner(config: Path, overrides: list[str], nodes: int, ranks_per_node: int
                       intra_node=measured["bandwidth_intra_node"], inter_node=measured["bandwidth_inter_node"],
                       peak=measured["rate"], precision=run.precision.dtype, rate=measured["rate"],
                       alpha_intra=measured["alpha_intra_node"], alpha_inter=measured["alpha_inter_node"],
-                      backend="gloo")
+                      backend="gloo", shared_cores=None if "microbatch_cpu_s" not in measured else SharedCores(
+                          cores=os.cpu_count() or 1, micro_batch_size=measured["micro_batch_size"],
+                          microbatch_cpu_s=tuple(sorted(measured["microbatch_cpu_s"].items())),
+                          optimizer_cpu_s=measured["optimizer_cpu_s"],
+                          hop_cpu_intra=measured["hop_cpu_intra_node"], hop_cpu_inter=measured["hop_cpu_inter_node"],
+                          byte_cpu_intra=measured["byte_cpu_intra_node"], byte_cpu_inter=measured["byte_cpu_inter_node"]))
     workload = Workload(run.train.global_batch_size, run.data.inputs_length, targets_length(run))
     candidate = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                           activation_checkpointing=p.activation_checkpointing,
@@ -350,15 +444,19 @@ def run_cluster_benchmark(output_dir: str | os.PathLike, work_dir: str | os.Path
             with NetnsCluster(nodes=nodes, rate=rate) as cluster:
                 if "rate" not in calibration:  # every rank of every case shares the machine's cores alike
                     echo(f"{label}: probing the compute rate")
-                    compute = _run_job(cluster, "compute", config, one_rank, per_node, work, "the compute probe")
+                    tp_degrees = ",".join(sorted({str(b.tp) for b, _ in parsed.values()}))
+                    compute = _run_job(cluster, "compute", config, [f"--tp={tp_degrees}", *one_rank], per_node, work,
+                                       "the compute probe")
                     calibration.update(compute_rate(compute, config, one_rank))
                 echo(f"{label}: probing the links of {nodes} node(s) x {per_node} ranks")
                 links = link_numbers(_run_job(cluster, "link", config, [], per_node, work, "the link probe"))
-                calibration[f"{nodes}n{per_node}g"] = links
+                calibration.setdefault("links", {})[f"{nodes}n{per_node}g"] = links
                 for name, (bench, order) in parsed.items():
                     if (bench.nodes, bench.devices) == (nodes, per_node):
-                        entries[name] = _case(cluster, bench, order, config, work,
-                                              {"rate": calibration["rate"], **links}, echo)
+                        cpu = {key: calibration[key] for key in ("microbatch_cpu_s", "optimizer_cpu_s")}
+                        entries[name] = _case(cluster, bench, order, config, work, {
+                            "rate": calibration["rate"], **cpu, "micro_batch_size": alone.micro_batch_size,
+                            **links}, echo)
         results[label] = {"calibration": calibration, "cases": {name: entries[name] for name in cases}}
     result = {"machine": machine_info(), "rate": rate, "shape": shape, "steps": STEPS, "families": results}
     write_report(output_dir, "cluster", result, render_markdown(result))
@@ -402,38 +500,49 @@ def render_markdown(r: dict) -> str:
         f"an audited step and {r['steps']} timed steps (time per step of rank 0, between barriers). *Predicted*: "
         "`parallel/planner.py`'s step time for the layout on a cluster described by the probes' measurements "
         "(below), fitted to nothing the cases measured: latency is that of a small all-reduce between "
-        f"{LOADED_INTERVAL_S * 1e3:g} ms of computation (idle in brackets). *Inter-node bytes*: the audit's payload that crossed "
+        f"{LOADED_INTERVAL_S * 1e3:g} ms of computation (idle in brackets); as all ranks share the machine's cores, "
+        "a step takes at least all ranks' CPU seconds over the cores (the CPU seconds of the probes: a "
+        "micro-batch at the rank's tensor-parallel degree, DTensor's dispatch included, the optimizer step, and "
+        "per collective its hops and bytes); *of which CPU-bound* is what that bound adds to the critical "
+        "path. *Inter-node bytes*: the audit's payload that crossed "
         "nodes per rank (by mesh dimension), and what each node's interface sent per timed step (tx, wire "
         "bytes with TCP/IP headers) beside the planner's NIC bytes for the node. *CPU busy*: all ranks' CPU "
         "seconds per step (user + system, gloo's threads included) over the machine's cores' seconds: near 100%, "
-        "the step is bound by the ranks' CPU work together, not by the latencies the planner charges.",
+        "the step is bound by the ranks' CPU work together (the planner's CPU bound), not by latencies and links.",
         "",
     ]
     for label, family in r["families"].items():
         c = family["calibration"]
         lines += [f"## {label}", "",
                   f"Compute probe: {c['rate'] / 1e9:.2f} GFLOP/s per rank while all ranks compute (one-rank step "
-                  f"{c['one_rank_step_s']:.2f} s). Link probe, per cluster:", ""]
+                  f"{c['one_rank_step_s']:.2f} s); CPU seconds of a micro-batch on a rank: "
+                  + ", ".join(f"tp{tp} {v:.3f}" for tp, v in c["microbatch_cpu_s"].items())
+                  + f", of the optimizer step {c['optimizer_cpu_s']:.3f}. Link probe, per cluster:", ""]
         lines += markdown_table(
             ["cluster", "latency per hop in a node (idle)", "bandwidth in a node", "latency per hop between nodes "
-             "(idle)", "bandwidth between nodes, per rank"],
+             "(idle)", "bandwidth between nodes, per rank", "CPU per hop in a node / between", "CPU per MB sent"],
             [[shape, f"{v['alpha_intra_node'] * 1e3:.2f} ms ({v['alpha_idle_intra_node'] * 1e3:.2f})",
               f"{v['bandwidth_intra_node'] / 1e6:.0f} MB/s",
               "-" if shape.startswith("1n") else f"{v['alpha_inter_node'] * 1e3:.2f} ms "
                                                  f"({v['alpha_idle_inter_node'] * 1e3:.2f})",
-              "-" if shape.startswith("1n") else f"{v['bandwidth_inter_node'] / 1e6:.1f} MB/s"]
-             for shape, v in c.items() if isinstance(v, dict)])
+              "-" if shape.startswith("1n") else f"{v['bandwidth_inter_node'] / 1e6:.1f} MB/s",
+              f"{v['hop_cpu_intra_node'] * 1e3:.2f} ms / "
+              + ("-" if shape.startswith("1n") else f"{v['hop_cpu_inter_node'] * 1e3:.2f} ms"),
+              f"{v['byte_cpu_intra_node'] * 1e9:.2f} ms"]
+             for shape, v in c["links"].items()])
         lines += [""]
         rows = []
         for name, e in family["cases"].items():
             ms, pr = e["measured"], e["predicted"]
             by_dim = ", ".join(f"{d} {_mb(b)}" for d, b in sorted(ms["inter_node_bytes_by_dim"].items())) or "0"
             nic = pr["bytes_per_step"]["inter_node"] * e["ranks_per_node"]
-            rows.append([name, f"{ms['step_s']:.2f}", f"{pr['step_s']:.2f}", f"{100 * e['error']:+.0f}%",
+            rows.append([name, f"{ms['step_s']:.2f}", f"{pr['step_s']:.2f}", f"{pr['time_s'].get('cpu', 0.0):.2f}",
+                         f"{100 * e['error']:+.0f}%",
                          f"{100 * ms['exposed_share']:.0f}%", _busy(ms.get("cpu")), by_dim,
                          _mb(ms["interface_bytes_per_step"]),
                          _mb(nic if e["nodes"] > 1 else None), "yes" if ms["audit_ok"] else "NO"])
-        lines += markdown_table(["case", "measured s/step", "predicted s/step", "error", "exposed comm", "CPU busy",
+        lines += markdown_table(["case", "measured s/step", "predicted s/step", "of which CPU-bound", "error",
+                                 "exposed comm", "CPU busy",
                                  "inter-node MB per rank (audit)", "node tx MB/step (measured)",
                                  "node NIC MB/step (planner)", "issued = required"], rows)
         measured_order = sorted(family["cases"], key=lambda n: family["cases"][n]["measured"]["step_s"])

@@ -28,6 +28,17 @@ Step time of one rank, in seconds, built from three parts:
   that window is exposed. Everything else (ZeRO-1's gather of the updated parameters, the token
   collectives of ZeRO-3's vocabulary split, the pipeline's tied-gradient sums, the scalars) is exposed.
 
+Ranks that share a machine's cores (`Cluster.shared_cores`: the CPU "cluster" of `t5forge bench cluster`,
+where every rank of every node runs on one machine) add a throughput bound: while one rank waits for a
+collective another computes, so the micro-batches and the optimizer step take at least all ranks' CPU
+seconds over the cores. A rank's CPU seconds, as measured (SharedCores): its micro-batches' forward and
+backward passes at its tensor-parallel degree (framework dispatch included: DTensor's costs a tiny model more
+than its matmuls), its share of the optimizer step, and per collective that runs on the critical path or
+behind computation a CPU cost per hop and per byte sent (gloo's threads and the kernel's sockets). What the
+bound exceeds of compute, tensor-parallel communication, pipeline sends and bubble is the part "cpu"; the
+exposed step-level communication comes after it (a rank waiting for a link uses no core). GPU clusters have
+no such bound (None).
+
 The pipeline: with per-micro-batch times t_i of the pp ranks (compute + their exposed collectives), M
 micro-batches and v stages per rank, one step of the schedule takes M x max(t) + (sum(t) - max(t)) / v
 (GPipe and 1F1B alike: the same bubble; interleaved 1F1B divides it by v). Then each rank's exposed
@@ -78,7 +89,8 @@ RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1)
 GLOO_RING = {**RING, "reduce_scatter": RING["all_reduce"]}
 # Labels of the step-time parts, in the order a step is explained.
 PARTS = {"compute": "compute", "tp": "tensor-parallel communication", "p2p": "pipeline sends",
-         "bubble": "pipeline bubble", "dp": "exposed data-parallel communication", "other": "other collectives"}
+         "bubble": "pipeline bubble", "dp": "exposed data-parallel communication", "other": "other collectives",
+         "cpu": "CPU work of the ranks sharing the cores, beyond the rest"}
 
 
 # -- inputs ------------------------------------------------------------------------------------------------
@@ -113,12 +125,39 @@ def parse_bandwidth(text: str) -> float:
 
 
 @dataclass(frozen=True)
+class SharedCores:
+    """The `cores` that every rank of a cluster shares, and what the ranks' work costs them in CPU seconds
+    (module docstring: the bound): `microbatch_cpu_s`, (tp, seconds) pairs: one micro-batch's forward and
+    backward passes of the whole model on a rank of tp tensor-parallel ranks, at `micro_batch_size` (other
+    sizes in proportion; a degree not measured at 1/tp of tp 1's); `optimizer_cpu_s`, one rank's optimizer
+    step of the whole model (a rank holding a 1/n shard of the parameters or of the optimizer state: 1/n of
+    it); per collective `hop_cpu_*` per hop of its tree and `byte_cpu_*` per byte the rank sends, on a group
+    inside a node (`_intra`) or across nodes (`_inter`)."""
+
+    cores: int
+    micro_batch_size: int
+    microbatch_cpu_s: tuple[tuple[int, float], ...]
+    optimizer_cpu_s: float
+    hop_cpu_intra: float
+    hop_cpu_inter: float
+    byte_cpu_intra: float
+    byte_cpu_inter: float
+
+    def microbatch(self, tp: int, micro_batch_size: int) -> float:
+        """CPU seconds of one micro-batch of `micro_batch_size` on a rank of `tp`."""
+        measured = dict(self.microbatch_cpu_s)
+        seconds = measured[tp] if tp in measured else measured[1] / tp
+        return seconds * micro_batch_size / self.micro_batch_size
+
+
+@dataclass(frozen=True)
 class Cluster:
     """`gpus` GPUs of one kind, `gpus_per_node` to a node; memory in bytes per GPU, bandwidths in bytes/s
     per GPU and direction, `peak` the dense FLOP/s of `precision`. Measured machines (the CPU "cluster" of
     `t5forge bench cluster`) give what was measured instead of the defaults: `rate`, the FLOP/s a rank
-    achieves (default: peak x ACHIEVABLE_MFU), the latencies per hop (`alpha_intra`, `alpha_inter`) and
-    the collective library (`backend`, whose algorithms set the bytes on the wire)."""
+    achieves (default: peak x ACHIEVABLE_MFU), the latencies per hop (`alpha_intra`, `alpha_inter`), the
+    collective library (`backend`, whose algorithms set the bytes on the wire) and, where all ranks share
+    one machine's cores, their CPU costs (`shared_cores`)."""
 
     gpus: int
     gpus_per_node: int
@@ -132,6 +171,7 @@ class Cluster:
     alpha_intra: float = ALPHA_INTRA
     alpha_inter: float = ALPHA_INTER
     backend: str = "nccl"
+    shared_cores: SharedCores | None = None
 
     @property
     def nodes(self) -> int:
@@ -509,12 +549,19 @@ class Planner:
             bandwidth = min(self.cluster.intra_node, self.cluster.inter_node) if crosses else self.cluster.intra_node
             return r.count * alpha + r.nbytes / bandwidth, 0.0, 0.0
         wire = self.ring.get(r.kind, lambda _: 1.0)(n) * r.nbytes
-        as_all_reduce = r.kind == "all_reduce" or (r.kind == "reduce_scatter" and self.ring is GLOO_RING)
-        hops = math.ceil(math.log2(n)) * (2 if as_all_reduce else 1)
+        hops = self._hops(r, c)
         if not crosses:
             return r.count * hops * alpha + wire / self.cluster.intra_node, wire, 0.0
         bandwidth = min(self.cluster.intra_node, per_node * self.cluster.inter_node)
         return r.count * hops * alpha + wire / bandwidth, wire - wire / per_node, wire / per_node
+
+    def _hops(self, r: Requirement, c: Candidate) -> int:
+        """Latency hops of one call of `r`: 1 for a point-to-point transfer, a log2(n)-deep tree (twice for an
+        all-reduce, as which gloo runs a reduce-scatter) for a collective of n ranks."""
+        if r.kind in ("send", "recv"):
+            return 1
+        as_all_reduce = r.kind == "all_reduce" or (r.kind == "reduce_scatter" and self.ring is GLOO_RING)
+        return math.ceil(math.log2(self._members(r, c)[0])) * (2 if as_all_reduce else 1)
 
     def requirements(self, c: Candidate, pp_rank: int) -> list[Requirement]:
         """comm_model.step_requirements of layout `c` at pipeline rank `pp_rank` (dp rank 0). With pp > 1,
@@ -558,7 +605,8 @@ class Planner:
 
     def _rank_costs(self, c: Candidate, rank: int) -> dict:
         """The communication of pipeline rank `rank` of layout `c`: seconds per phase (`_phase`), the exposed
-        part of the overlappable ones, bytes sent per link, and per (collective, dim, link) totals."""
+        part of the overlappable ones, bytes sent per link, per (collective, dim, link) totals, and the CPU
+        seconds of its step on shared cores (computation and communication; 0 without them)."""
         key = (c, rank)
         if key not in self._rank_cache:
             M = self.shapes(c).accumulation
@@ -567,6 +615,7 @@ class Planner:
             sent = {"intra_node": 0.0, "inter_node": 0.0}
             dims: dict[str, float] = {}
             collectives: dict[tuple[str, str, bool], dict] = {}
+            cpu, shared = 0.0, self.cluster.shared_cores
             for r in self.requirements(c, rank):
                 seconds, intra, inter = self.collective_time(r, c)
                 wire = intra + inter
@@ -575,6 +624,9 @@ class Planner:
                 sent["inter_node"] += inter
                 dims[r.dim] = dims.get(r.dim, 0.0) + wire
                 crosses = self._members(r, c)[2]
+                if shared is not None and _phase(r) != "other":
+                    cpu += (r.count * self._hops(r, c) * (shared.hop_cpu_inter if crosses else shared.hop_cpu_intra)
+                            + wire * (shared.byte_cpu_inter if crosses else shared.byte_cpu_intra))
                 entry = collectives.setdefault((r.kind, r.dim, crosses),
                                                {"count": 0, "bytes": 0, "wire": 0.0, "seconds": 0.0})
                 for name, value in (("count", r.count), ("bytes", r.nbytes), ("wire", wire), ("seconds", seconds)):
@@ -585,8 +637,19 @@ class Planner:
             self._rank_cache[key] = {
                 "per_microbatch": forward + backward + (phases["tp"] + phases["p2p"]) / M, "phases": phases,
                 "exposed": (exposed, phases["other"]), "hidden": phases["forward"] + phases["backward"] - exposed,
-                "sent": sent, "dims": dims, "collectives": collectives}
+                "sent": sent, "dims": dims, "collectives": collectives,
+                "cpu": cpu + self._work_cpu(c, rank) if shared else 0.0}
         return self._rank_cache[key]
+
+    def _work_cpu(self, c: Candidate, rank: int) -> float:
+        """CPU seconds of pipeline rank `rank`'s micro-batches (its share of the model's FLOPs) and of its
+        optimizer step, on shared cores (SharedCores)."""
+        shared = self.cluster.shared_cores
+        flops = self._rank_flops(c)
+        share = sum(flops[rank]) / sum(map(sum, flops)) if c.pp > 1 else 1.0
+        holders = c.tp * c.pp * (c.dp if c.zero_stage >= 1 else 1)  # ranks among which the state is split
+        return (self.shapes(c).accumulation * share * shared.microbatch(c.tp, c.micro_batch_size)
+                + shared.optimizer_cpu_s / holders)
 
     def _step(self, c: Candidate, stop_above: float = math.inf) -> tuple[float, dict, list[dict]] | None:
         """(step seconds, its parts, the ranks' communication) of layout `c`. Pipeline ranks are read one at
@@ -607,6 +670,9 @@ class Planner:
                  "p2p": ranks[critical]["phases"]["p2p"]}
         parts["bubble"] = self._pipeline(per_microbatch, M, c.stages_per_rank) - M * per_microbatch[critical]
         parts["dp"], parts["other"] = ranks[worst]["exposed"]
+        if (shared := self.cluster.shared_cores) is not None:  # every pipeline rank has dp x tp alike
+            machine = c.dp * c.tp * sum(r["cpu"] for r in ranks) / shared.cores
+            parts["cpu"] = max(0.0, machine - sum(parts[k] for k in ("compute", "tp", "p2p", "bubble")))
         return sum(parts.values()), parts, ranks
 
     def predict(self, c: Candidate) -> Prediction:
@@ -761,7 +827,7 @@ def _gb(n: float) -> str:
 def why(p: Prediction, best: Prediction, runner_up: Prediction | None = None) -> str:
     """One line: what makes `p` slower than `best`, or, for the best, what it beats the runner-up on."""
     def biggest(a: Prediction, b: Prediction) -> str:
-        diffs = {k: a.parts[k] - b.parts[k] for k in PARTS}
+        diffs = {k: a.parts[k] - b.parts[k] for k in a.parts}
         part = max(diffs, key=diffs.get)
         extra = ""
         if part in ("dp", "other"):
