@@ -23,6 +23,7 @@ from t5forge.parallel.planner import (
     MEMORY_MARGIN,
     Candidate,
     Planner,
+    SharedCores,
     Workload,
     affine_requirements,
     make_cluster,
@@ -291,3 +292,37 @@ def test_gloo_reduce_scatter_moves_an_all_reduce_worth_of_bytes(wide):
     scatter = next(r for r in nccl.requirements(c, 0) if r.kind == "reduce_scatter")
     assert nccl.collective_time(scatter, c)[1] == ring_bytes("reduce_scatter", 4, scatter.nbytes)
     assert gloo.collective_time(scatter, c)[1] == ring_bytes("all_reduce", 4, scatter.nbytes)
+
+
+def test_ranks_sharing_cores_take_at_least_all_their_cpu_seconds_over_the_cores(wide):
+    """On shared cores (the CPU cluster of `t5forge bench cluster`), the micro-batches and the optimizer step
+    take at least all ranks' CPU seconds over the cores: each rank's micro-batches at its tensor-parallel
+    degree, its share of the optimizer step and, per collective of comm_model, its hops and the bytes it sends
+    (gloo: a reduce-scatter runs as an all-reduce). Where the critical path is longer, the bound adds nothing."""
+    from dataclasses import replace
+
+    gloo = replace(make_cluster(2, "A100", 2), backend="gloo")
+    c = Candidate(dp=1, tp=2, micro_batch_size=2)
+    alone = Planner(wide, gloo, WORKLOAD)
+    alone.check(c)
+    without = alone.predict(c)
+    assert "cpu" not in without.parts
+    microbatches = WORKLOAD.global_batch // c.micro_batch_size  # dp 1
+    hop, per_byte, micro, optimizer = 2e-3, 1e-9, 40.0, 6.0  # micro: at a micro-batch of 1
+    all_reduce_like = ("all_reduce", "reduce_scatter")
+    comm = sum(r.count * (2 if r.kind in all_reduce_like else 1) * hop
+               + ring_bytes("all_reduce" if r.kind in all_reduce_like else r.kind, 2, r.nbytes) * per_byte
+               for r in step_requirements(wide, alone.shapes(c), alone.layout(c)))
+    rank_cpu = microbatches * micro * c.micro_batch_size + optimizer / c.tp + comm
+    shared = SharedCores(cores=1, micro_batch_size=1, microbatch_cpu_s=((1, 1.0), (2, micro)), optimizer_cpu_s=optimizer,
+                         hop_cpu_intra=hop, hop_cpu_inter=0.0, byte_cpu_intra=per_byte, byte_cpu_inter=0.0)
+    bound = Planner(wide, replace(gloo, shared_cores=shared), WORKLOAD).predict(c)
+    critical = sum(without.parts[k] for k in ("compute", "tp", "p2p", "bubble"))
+    assert 2 * rank_cpu / 1 > critical  # the bound is what limits this step
+    assert bound.parts["cpu"] == pytest.approx(2 * rank_cpu - critical)
+    assert bound.step_s == pytest.approx(2 * rank_cpu + without.parts["dp"] + without.parts["other"])
+    # Cores that are plenty: the critical path as without them.
+    idle = replace(shared, cores=10**6)
+    assert Planner(wide, replace(gloo, shared_cores=idle), WORKLOAD).predict(c).step_s == pytest.approx(without.step_s)
+    # A degree the probes did not measure: 1/tp of tp 1's, in proportion to the micro-batch.
+    assert shared.microbatch(4, 2) == pytest.approx(1.0 / 4 * 2)

@@ -13,9 +13,12 @@ CPU work or by latencies and links).
 
 The prediction for each case is the planner's (parallel/planner.py), on a Cluster whose numbers were measured
 first, in the same namespaces, by probe jobs that run no case: the FLOP rate of a whole one-rank training step
-of the case's model while every rank computes alone (compute_worker), and per cluster shape the latency (between
-computation) and bandwidth of all-reduces inside nodes and between them, every group at once (link_worker).
-Nothing is fitted to the cases' step times. Writes OUTPUT_DIR/cluster.json and cluster.md."""
+of the case's model while every rank computes alone, and the CPU seconds of a micro-batch at each tensor-parallel
+degree of the cases and of the optimizer step (compute_worker); per cluster shape the latency (between
+computation), bandwidth and CPU cost of all-reduces inside nodes and between them, every group at once
+(link_worker). All ranks share this machine's cores, so the planner is told so (planner.SharedCores): a step
+takes at least all ranks' CPU seconds over the cores. Nothing is fitted to the cases' step times. Writes
+OUTPUT_DIR/cluster.json and cluster.md."""
 
 from __future__ import annotations
 
