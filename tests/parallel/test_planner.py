@@ -297,8 +297,9 @@ def test_gloo_reduce_scatter_moves_an_all_reduce_worth_of_bytes(wide):
 def test_ranks_sharing_cores_take_at_least_all_their_cpu_seconds_over_the_cores(wide):
     """On shared cores (the CPU cluster of `t5forge bench cluster`), the micro-batches and the optimizer step
     take at least all ranks' CPU seconds over the cores: each rank's micro-batches at its tensor-parallel
-    degree, its share of the optimizer step and, per collective of comm_model, its hops and the bytes it sends
-    (gloo: a reduce-scatter runs as an all-reduce). Where the critical path is longer, the bound adds nothing."""
+    degree (measured with its tensor-parallel collectives inside a node), its share of the optimizer step and,
+    per other collective of comm_model, its hops and the bytes it sends (gloo: a reduce-scatter runs as an
+    all-reduce). Where the critical path is longer, the bound adds nothing."""
     from dataclasses import replace
 
     gloo = replace(make_cluster(2, "A100", 2), backend="gloo")
@@ -310,9 +311,14 @@ def test_ranks_sharing_cores_take_at_least_all_their_cpu_seconds_over_the_cores(
     microbatches = WORKLOAD.global_batch // c.micro_batch_size  # dp 1
     hop, per_byte, micro, optimizer = 2e-3, 1e-9, 40.0, 6.0  # micro: at a micro-batch of 1
     all_reduce_like = ("all_reduce", "reduce_scatter")
-    comm = sum(r.count * (2 if r.kind in all_reduce_like else 1) * hop
-               + ring_bytes("all_reduce" if r.kind in all_reduce_like else r.kind, 2, r.nbytes) * per_byte
-               for r in step_requirements(wide, alone.shapes(c), alone.layout(c)))
+    requirements = step_requirements(wide, alone.shapes(c), alone.layout(c))
+    assert any(r.dim == "tp" for r in requirements)
+
+    def comm_cpu(tp_included: bool) -> float:
+        return sum(r.count * (2 if r.kind in all_reduce_like else 1) * hop
+                   + ring_bytes("all_reduce" if r.kind in all_reduce_like else r.kind, 2, r.nbytes) * per_byte
+                   for r in requirements if tp_included or r.dim != "tp")
+    comm = comm_cpu(tp_included=False)  # the measured degree 2 holds its tensor-parallel collectives
     rank_cpu = microbatches * micro * c.micro_batch_size + optimizer / c.tp + comm
     shared = SharedCores(cores=1, micro_batch_size=1, microbatch_cpu_s=((1, 1.0), (2, micro)), optimizer_cpu_s=optimizer,
                          hop_cpu_intra=hop, hop_cpu_inter=0.0, byte_cpu_intra=per_byte, byte_cpu_inter=0.0)
@@ -324,5 +330,15 @@ def test_ranks_sharing_cores_take_at_least_all_their_cpu_seconds_over_the_cores(
     # Cores that are plenty: the critical path as without them.
     idle = replace(shared, cores=10**6)
     assert Planner(wide, replace(gloo, shared_cores=idle), WORKLOAD).predict(c).step_s == pytest.approx(without.step_s)
-    # A degree the probes did not measure: 1/tp of tp 1's, in proportion to the micro-batch.
+    # A degree the probes did not measure: 1/tp of tp 1's, in proportion to the micro-batch, and its
+    # tensor-parallel collectives counted apart.
     assert shared.microbatch(4, 2) == pytest.approx(1.0 / 4 * 2)
+    unmeasured = replace(shared, microbatch_cpu_s=((1, 2 * micro),))
+    apart = Planner(wide, replace(gloo, shared_cores=unmeasured), WORKLOAD).predict(c)
+    assert apart.parts["cpu"] == pytest.approx(2 * (rank_cpu - comm + comm_cpu(tp_included=True)) - critical)
+    # Tensor-parallel collectives across nodes: what a hop and a byte cost there more than inside a node.
+    assert shared.collective(10, 1e6, crosses=True, in_microbatch=True) == 0.0  # inter costs less here
+    dearer = replace(shared, hop_cpu_inter=3 * hop, byte_cpu_inter=2 * per_byte)
+    assert dearer.collective(10, 1e6, crosses=True, in_microbatch=True) == pytest.approx(10 * 2 * hop + 1e6 * per_byte)
+    assert dearer.collective(10, 1e6, crosses=False, in_microbatch=True) == 0.0
+    assert dearer.collective(10, 1e6, crosses=True) == pytest.approx(10 * 3 * hop + 1e6 * 2 * per_byte)

@@ -70,3 +70,37 @@ def test_gloo_on_gpus_refuses_the_layouts_it_cannot_carry():
         check_gloo_on_gpus(ParallelConfig(pp=2))
     with pytest.raises(ConfigError, match="parallel.zero_stage=2 needs collectives"):
         check_gloo_on_gpus(ParallelConfig(dp=2, zero_stage=2))
+
+
+# A child process: the settings are process-wide. Faults of the second of two 64 MiB blocks (malloc, fill,
+# free: a step's large tensor, as the last step left it).
+_FAULTS_OF_A_REUSED_BLOCK = """
+import ctypes, resource, sys
+from t5forge.lifecycle import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def faults(size=64 << 20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(faults())
+"""
+
+
+def test_cpu_processes_keep_freed_memory_instead_of_faulting_it_in_again():
+    import ctypes
+    import subprocess
+    import sys
+
+    if not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("this C library has no mallopt (not glibc): keep_freed_memory does nothing here")
+    pages = (64 << 20) // 4096
+    faults = {mode: int(subprocess.run([sys.executable, "-c", _FAULTS_OF_A_REUSED_BLOCK, mode], check=True,
+                                       capture_output=True, text=True).stdout) for mode in ("default", "keep")}
+    assert faults["default"] > pages // 2, faults  # glibc maps the block anew: every page faults again
+    assert faults["keep"] < pages // 100, faults  # the heap keeps it

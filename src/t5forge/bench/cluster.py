@@ -14,7 +14,8 @@ CPU work or by latencies and links).
 The prediction for each case is the planner's (parallel/planner.py), on a Cluster whose numbers were measured
 first, in the same namespaces, by probe jobs that run no case: the FLOP rate of a whole one-rank training step
 of the case's model while every rank computes alone, and the CPU seconds of a micro-batch at each tensor-parallel
-degree of the cases and of the optimizer step (compute_worker); per cluster shape the latency (between
+degree of the cases (on tensor-parallel groups of the job's ranks inside nodes, their collectives included) and
+of the optimizer step (compute_worker); per cluster shape the latency (between
 computation), bandwidth and CPU cost of all-reduces inside nodes and between them, every group at once
 (link_worker). All ranks share this machine's cores, so the planner is told so (planner.SharedCores): a step
 takes at least all ranks' CPU seconds over the cores. Nothing is fitted to the cases' step times. Writes
@@ -39,6 +40,7 @@ from t5forge.errors import ConfigError
 
 RATE = "200mbit"  # each node's link, each direction: slow enough that communication dominates (LiBai's point)
 STEPS = 3  # timed steps per case, after a warm-up and an audited step
+PROBE_REPEATS = 7  # of the compute probe's measurements (after one more), their median: seconds-long, noisy
 SHAPE = "nl4_nah4_hs128_FP32_acfull_zero2_mb4_gb64_seq128"  # d_ff 320 (gated), 4 + 4 layers
 FAMILIES = {"t5 (32k vocabulary)": "t5v11", "mT5 (250k vocabulary)": "mt5"}
 GOOD, BAD = "tp-dp-pp", "dp-tp-pp"  # tensor parallelism inside nodes; across them (the bad mapping)
@@ -164,13 +166,16 @@ class _PhaseCPU:
 
 
 def compute_worker(config: str, out: str, arguments: list[str]) -> None:
-    """Run under torchrun, every rank on its own (a one-rank process group each: nothing is communicated)
-    while all compute at once. ARGUMENTS: --tp=T1,T2,... then the one-rank step's overrides (tp 1, one
-    micro-batch of the case's size, its activation checkpointing). STEPS + 1 whole training steps of the
-    case's model, the first left out: the median step's seconds (the driver turns them into the planner's
-    FLOP rate) and its CPU seconds in the forward and backward passes and in the rest (the optimizer); then,
-    for every tensor-parallel degree T > 1 of the cases, the CPU seconds of one micro-batch's forward and
-    backward passes as a rank of T computes them (_tp_rank_cpu). OUT/rank{R}.json."""
+    """Run under torchrun, every rank first on its own (a one-rank process group each: nothing is
+    communicated) while all compute at once. ARGUMENTS: --tp=T1,T2,... then the one-rank step's overrides
+    (tp 1, one micro-batch of the case's size, its activation checkpointing). PROBE_REPEATS + 1 whole
+    training steps of the case's model, the first left out: the median step's seconds (the driver turns them
+    into the planner's FLOP rate) and its CPU seconds in the forward and backward passes and in the rest (the
+    optimizer); then, for every tensor-parallel degree T > 1 of the cases, the ranks of the job in groups of
+    T inside each node, the CPU seconds of one micro-batch's forward and backward passes on a rank of T
+    (_tp_rank_cpu). OUT/rank{R}.json."""
+    import torch.distributed as dist
+
     from t5forge.config import load_config
     from t5forge.data.loader import build_loader
     from t5forge.train.build import build_model_config
@@ -178,15 +183,16 @@ def compute_worker(config: str, out: str, arguments: list[str]) -> None:
 
     tp_degrees, overrides = [int(t) for t in arguments[0].removeprefix("--tp=").split(",")], arguments[1:]
     rank = os.environ["RANK"]
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)  # a process of its own: Trainer makes a one-rank group (parallel/mesh.py)
+    # A process of its own: Trainer makes a one-rank group (parallel/mesh.py); the job's comes back after.
+    job = {key: os.environ.pop(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT") if key in os.environ}
     run = load_config(config, [path_override("train.output_dir", Path(out, f"run{rank}")), *overrides])
     trainer = Trainer(run, echo=lambda *_: None)
     phases = _PhaseCPU()
     trainer.phase_listeners.append(phases)
     loader = iter(build_loader(trainer.data.train, trainer.plan.micro_batch_size, 0, num_workers=0))
     seconds, passes, rest = [], [], []
-    for _ in range(STEPS + 1):
+    for _ in range(PROBE_REPEATS + 1):
         batches = _micro_batches(loader, trainer.accumulation)
         phases.seconds.clear()
         start = time.perf_counter()
@@ -196,27 +202,33 @@ def compute_worker(config: str, out: str, arguments: list[str]) -> None:
         passes.append(phases.seconds.get("forward", 0.0) + phases.seconds.get("backward", 0.0))
         rest.append(sum(phases.seconds.values()) - passes[-1])
     microbatch_cpu = {1: statistics.median(passes[1:])}
-    for tp in tp_degrees:
-        if tp > 1:
-            microbatch_cpu[tp] = _tp_rank_cpu(build_model_config(run), run.parallel.activation_checkpointing,
-                                              run.precision.dtype, _micro_batches(loader, 1)[0], tp)
+    batch = _micro_batches(loader, 1)[0]
+    del trainer, loader
+    gc.collect()
+    dist.destroy_process_group()
+    if any(tp > 1 for tp in tp_degrees):
+        os.environ.update(job)
+        dist.init_process_group("gloo")
+        for tp in tp_degrees:
+            if tp > 1:
+                microbatch_cpu[tp] = _tp_rank_cpu(build_model_config(run), run.parallel.activation_checkpointing,
+                                                  run.precision.dtype, batch, tp)
+        dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "rank": int(rank), "step_s": statistics.median(seconds[1:]), "microbatch_cpu_s": microbatch_cpu,
         "optimizer_cpu_s": statistics.median(rest[1:])}))
-    del trainer, loader
-    gc.collect()
 
 
 def _tp_rank_cpu(config, activation_checkpointing: str, precision: str, batch: dict, tp: int) -> float:
-    """Median CPU seconds of STEPS forward and backward passes of one micro-batch (after one more) on a rank of
-    `tp` tensor-parallel ranks, without their collectives: the model with 1/tp of the heads, of the
-    feed-forward width and of the vocabulary, parallelized by apply_tp over a one-rank mesh, so that DTensor
-    dispatches every operation as it does for tp ranks, and the loss under loss_parallel, as Trainer runs tp.
-    The collectives are the link probe's to measure and the planner's to count."""
-    import dataclasses
-
+    """Median CPU seconds of PROBE_REPEATS forward and backward passes of one micro-batch (after one more) on
+    a rank of `tp` tensor-parallel ranks, as Trainer runs tp (apply_tp, the loss under loss_parallel), every
+    rank of the job at once in groups of `tp` consecutive ranks (inside a node, as parallel/mesh.py places
+    them), without data parallelism: DTensor's dispatch on a real mesh, the tensor-parallel collectives (the
+    planner counts their CPU in here) and the scheduler's switches between ranks that wait for each other on
+    shared cores are in it, as in the cases."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     from t5forge.models.loss import token_loss_sum
     from t5forge.models.t5 import T5ForConditionalGeneration
@@ -224,16 +236,20 @@ def _tp_rank_cpu(config, activation_checkpointing: str, precision: str, batch: d
     from t5forge.parallel.tensor_parallel import apply_tp
     from t5forge.train.forward import compute_context, model_inputs
 
-    shard = dataclasses.replace(config, num_heads=config.num_heads // tp, d_ff=config.d_ff // tp,
-                                vocab_size=config.vocab_size // tp)
-    model = T5ForConditionalGeneration(shard)
-    apply_tp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    if per_node % tp:
+        raise ConfigError(f"tensor-parallel degree {tp} does not divide the {per_node} ranks of a node")
+    group, _ = dist.new_subgroups_by_enumeration([list(range(first, first + tp))
+                                                  for first in range(0, dist.get_world_size(), tp)])
+    for tensor in batch.values():  # the ranks of a group compute on one batch
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    apply_tp(model, DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",)))
     apply_ac(model, activation_checkpointing)
-    labels = batch["labels"]
-    batch = {**batch, "input_ids": batch["input_ids"] % shard.vocab_size,
-             "labels": labels.where(labels == -100, labels % shard.vocab_size)}
     cpu = []
-    for _ in range(STEPS + 1):
+    for _ in range(PROBE_REPEATS + 1):
+        dist.barrier(group=group)
         start = _cpu_seconds()
         with compute_context(torch.device("cpu"), precision, vocab_parallel=True):
             token_loss_sum(model(**model_inputs(model, batch)).logits, batch["labels"]).backward()
@@ -505,8 +521,8 @@ def render_markdown(r: dict) -> str:
         "(below), fitted to nothing the cases measured: latency is that of a small all-reduce between "
         f"{LOADED_INTERVAL_S * 1e3:g} ms of computation (idle in brackets); as all ranks share the machine's cores, "
         "a step takes at least all ranks' CPU seconds over the cores (the CPU seconds of the probes: a "
-        "micro-batch at the rank's tensor-parallel degree, DTensor's dispatch included, the optimizer step, and "
-        "per collective its hops and bytes); *of which CPU-bound* is what that bound adds to the critical "
+        "micro-batch at the rank's tensor-parallel degree, on tensor-parallel ranks inside a node, DTensor's "
+        "dispatch and their collectives included, the optimizer step, and per other collective its hops and bytes); *of which CPU-bound* is what that bound adds to the critical "
         "path. *Inter-node bytes*: the audit's payload that crossed "
         "nodes per rank (by mesh dimension), and what each node's interface sent per timed step (tx, wire "
         "bytes with TCP/IP headers) beside the planner's NIC bytes for the node. *CPU busy*: all ranks' CPU "
@@ -560,6 +576,9 @@ def render_markdown(r: dict) -> str:
 if __name__ == "__main__":
     workers = {"case": case_worker, "compute": compute_worker, "link": link_worker}
     if len(sys.argv) >= 4 and sys.argv[1] in workers:
+        from t5forge.lifecycle import configure_cpu_training
+
+        configure_cpu_training()  # an entry point, as `t5forge train`
         workers[sys.argv[1]](sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         sys.exit(f"usage: python -m t5forge.bench.cluster {{{'|'.join(workers)}}} CONFIG OUT [key=value ...]")

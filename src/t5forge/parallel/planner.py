@@ -32,9 +32,11 @@ Ranks that share a machine's cores (`Cluster.shared_cores`: the CPU "cluster" of
 where every rank of every node runs on one machine) add a throughput bound: while one rank waits for a
 collective another computes, so the micro-batches and the optimizer step take at least all ranks' CPU
 seconds over the cores. A rank's CPU seconds, as measured (SharedCores): its micro-batches' forward and
-backward passes at its tensor-parallel degree (framework dispatch included: DTensor's costs a tiny model more
-than its matmuls), its share of the optimizer step, and per collective that runs on the critical path or
-behind computation a CPU cost per hop and per byte sent (gloo's threads and the kernel's sockets). What the
+backward passes at its tensor-parallel degree, measured on tensor-parallel ranks inside a node (framework
+dispatch included: DTensor's costs a tiny model more than its matmuls; and their collectives, with the
+switches between ranks that wait for each other), its share of the optimizer step, and per other collective
+that runs on the critical path or behind computation a CPU cost per hop and per byte sent (gloo's threads and
+the kernel's sockets; tensor-parallel ones across nodes: what that costs more than inside a node). What the
 bound exceeds of compute, tensor-parallel communication, pipeline sends and bubble is the part "cpu"; the
 exposed step-level communication comes after it (a rank waiting for a link uses no core). GPU clusters have
 no such bound (None).
@@ -128,8 +130,9 @@ def parse_bandwidth(text: str) -> float:
 class SharedCores:
     """The `cores` that every rank of a cluster shares, and what the ranks' work costs them in CPU seconds
     (module docstring: the bound): `microbatch_cpu_s`, (tp, seconds) pairs: one micro-batch's forward and
-    backward passes of the whole model on a rank of tp tensor-parallel ranks, at `micro_batch_size` (other
-    sizes in proportion; a degree not measured at 1/tp of tp 1's); `optimizer_cpu_s`, one rank's optimizer
+    backward passes of the whole model on a rank of tp tensor-parallel ranks inside a node, their collectives
+    included, at `micro_batch_size` (other sizes in proportion; a degree not measured at 1/tp of tp 1's,
+    its collectives counted apart); `optimizer_cpu_s`, one rank's optimizer
     step of the whole model (a rank holding a 1/n shard of the parameters or of the optimizer state: 1/n of
     it); per collective `hop_cpu_*` per hop of its tree and `byte_cpu_*` per byte the rank sends, on a group
     inside a node (`_intra`) or across nodes (`_inter`)."""
@@ -148,6 +151,18 @@ class SharedCores:
         measured = dict(self.microbatch_cpu_s)
         seconds = measured[tp] if tp in measured else measured[1] / tp
         return seconds * micro_batch_size / self.micro_batch_size
+
+    def measured(self, tp: int) -> bool:
+        return tp in dict(self.microbatch_cpu_s)
+
+    def collective(self, hops: float, wire: float, crosses: bool, in_microbatch: bool = False) -> float:
+        """CPU seconds of a collective's `hops` and the `wire` bytes a rank sends, on a group across nodes
+        (`crosses`) or inside one. `in_microbatch`: a tensor-parallel collective of a measured degree, whose
+        cost inside a node the micro-batch's measurement holds: only what crossing nodes costs more."""
+        def cost(inter: bool) -> float:
+            return hops * (self.hop_cpu_inter if inter else self.hop_cpu_intra) + wire * (
+                self.byte_cpu_inter if inter else self.byte_cpu_intra)
+        return max(0.0, cost(crosses) - cost(False)) if in_microbatch else cost(crosses)
 
 
 @dataclass(frozen=True)
@@ -625,8 +640,8 @@ class Planner:
                 dims[r.dim] = dims.get(r.dim, 0.0) + wire
                 crosses = self._members(r, c)[2]
                 if shared is not None and _phase(r) != "other":
-                    cpu += (r.count * self._hops(r, c) * (shared.hop_cpu_inter if crosses else shared.hop_cpu_intra)
-                            + wire * (shared.byte_cpu_inter if crosses else shared.byte_cpu_intra))
+                    cpu += shared.collective(r.count * self._hops(r, c), wire, crosses,
+                                             in_microbatch=_phase(r) == "tp" and shared.measured(c.tp))
                 entry = collectives.setdefault((r.kind, r.dim, crosses),
                                                {"count": 0, "bytes": 0, "wire": 0.0, "seconds": 0.0})
                 for name, value in (("count", r.count), ("bytes", r.nbytes), ("wire", wire), ("seconds", seconds)):
