@@ -111,8 +111,8 @@ def keep_freed_memory() -> None:
     glibc's malloc maps every block above its mmap threshold (32 MiB at most) from the kernel and unmaps it
     when freed, so each step's large tensors (mT5's 250k-column logits, embedding gradients, FSDP's flat
     buffers) fault their pages in again, zeroed by the kernel: an mT5 step on CPU spent half its time there
-    (bench cluster: 1n4g 15.1 s/step, 3.4 of each rank's 7.3 CPU seconds in the kernel; 8.9 s and 0.7 with
-    this). Large blocks come from the heap instead, and the heap is not trimmed below 2 GiB free. Written by
+    (bench cluster, mT5 1n4g: 15.1 s/step, 3.4 of each rank's 7.3 CPU seconds in the kernel; with this
+    9.4 s and 0.8, benchmarks/cluster.md). Large blocks come from the heap instead, and the heap is not trimmed below 2 GiB free. Written by
     hand: PyTorch's CPU allocator has no cache, and jemalloc / tcmalloc would be a system dependency. Other
     C libraries (musl, macOS) have no mallopt: nothing to do there."""
     try:
