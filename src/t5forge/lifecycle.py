@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import socket
@@ -112,11 +111,11 @@ def keep_freed_memory() -> None:
     when freed, so each step's large tensors (mT5's 250k-column logits, embedding gradients, FSDP's flat
     buffers) fault their pages in again, zeroed by the kernel: an mT5 step on CPU spent half its time there
     (bench cluster, mT5 1n4g: 15.1 s/step, 3.4 of each rank's 7.3 CPU seconds in the kernel; with this
-    9.4 s and 0.8, benchmarks/cluster.md). Large blocks come from the heap instead, and the heap is not trimmed below 2 GiB free. Written by
-    hand: PyTorch's CPU allocator has no cache, and jemalloc / tcmalloc would be a system dependency. Other
-    C libraries (musl, macOS) have no mallopt: nothing to do there."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    9.4 s and 0.8, benchmarks/cluster.md). Large blocks come from the heap instead, and the heap is not
+    trimmed below 2 GiB free. Written by hand: PyTorch's CPU allocator has no cache, and jemalloc / tcmalloc
+    would be a system dependency. Other C libraries (musl, macOS) have no mallopt: nothing to do there."""
+    try:  # the process's own symbols, libc's among them (as die_with_parent's prctl)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):
         return
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

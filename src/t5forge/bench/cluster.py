@@ -209,9 +209,10 @@ def compute_worker(config: str, out: str, arguments: list[str]) -> None:
     if any(tp > 1 for tp in tp_degrees):
         os.environ.update(job)
         dist.init_process_group("gloo")
+        model_config = build_model_config(run)
         for tp in tp_degrees:
             if tp > 1:
-                microbatch_cpu[tp] = _tp_rank_cpu(build_model_config(run), run.parallel.activation_checkpointing,
+                microbatch_cpu[tp] = _tp_rank_cpu(model_config, run.parallel.activation_checkpointing,
                                                   run.precision.dtype, batch, tp)
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
@@ -522,12 +523,13 @@ def render_markdown(r: dict) -> str:
         f"{LOADED_INTERVAL_S * 1e3:g} ms of computation (idle in brackets); as all ranks share the machine's cores, "
         "a step takes at least all ranks' CPU seconds over the cores (the CPU seconds of the probes: a "
         "micro-batch at the rank's tensor-parallel degree, on tensor-parallel ranks inside a node, DTensor's "
-        "dispatch and their collectives included, the optimizer step, and per other collective its hops and bytes); *of which CPU-bound* is what that bound adds to the critical "
-        "path. *Inter-node bytes*: the audit's payload that crossed "
-        "nodes per rank (by mesh dimension), and what each node's interface sent per timed step (tx, wire "
-        "bytes with TCP/IP headers) beside the planner's NIC bytes for the node. *CPU busy*: all ranks' CPU "
-        "seconds per step (user + system, gloo's threads included) over the machine's cores' seconds: near 100%, "
-        "the step is bound by the ranks' CPU work together (the planner's CPU bound), not by latencies and links.",
+        "dispatch and their collectives included, the optimizer step, and per other collective its hops and "
+        "bytes); *of which CPU-bound* is what that bound adds to the critical path. *Inter-node bytes*: the "
+        "audit's payload that crossed nodes per rank (by mesh dimension), and what each node's interface sent "
+        "per timed step (tx, wire bytes with TCP/IP headers) beside the planner's NIC bytes for the node. "
+        "*CPU busy*: all ranks' CPU seconds per step (user + system, gloo's threads included) over the "
+        "machine's cores' seconds: near 100%, the step is bound by the ranks' CPU work together (the planner's "
+        "CPU bound), not by latencies and links.",
         "",
     ]
     for label, family in r["families"].items():
