@@ -360,12 +360,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     generate_command(args.model, args.texts, input_path=args.input, input_field=args.input_field, output=args.output,
                      prediction_field=args.prediction_field, tokenizer=args.tokenizer, tp=args.tp, batch_size=args.batch_size,
                      max_input_tokens=args.max_input_tokens, truncate=args.truncate, seed=args.seed,
-                     progress=bool(args.input), max_new_tokens=args.max_new_tokens,
+                     progress=bool(args.input), dtype=args.dtype, compile=args.compile,
+                     max_new_tokens=args.max_new_tokens,
                      min_new_tokens=args.min_new_tokens, num_beams=args.num_beams,
                      num_return_sequences=args.num_return_sequences, do_sample=args.do_sample,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
                      length_penalty=args.length_penalty)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from t5forge.serve.server import serve_command
+
+    serve_command(args.model, host=args.host, port=args.port, tokenizer=args.tokenizer,
+                  max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                  max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens_cap,
+                  max_beams=args.max_beams, dtype=args.dtype, compile=args.compile, tp=args.tp,
+                  api_key=args.api_key, log_level=args.log_level)
     return 0
 
 
@@ -593,7 +605,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="sampling seed (default: torch's global generator)")
     gen.add_argument("--tp", type=int, default=1,
                      help="tensor parallel: shard an HF model over N ranks (torchrun --nproc-per-node N)")
+    gen.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "int8"], default="fp32",
+                     help="inference precision: fp32 (on CPUs with prepacked weights), bf16/fp16 (GPUs), int8 "
+                          "(CPUs: dynamic quantization)")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with a static cache and a torch.compile'd step (CUDA graphs on GPUs)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over HTTP with dynamic batching",
+                         description="MODEL_OR_RUN_DIR: an HF model directory (with its tokenizer, or --tokenizer) "
+                                     "or a t5forge run directory. POST /v1/generate, GET /health, GET /metrics.")
+    srv.add_argument("model", metavar="MODEL_OR_RUN_DIR")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--tokenizer", help="tokenizer directory (default: the model's, or the run's)")
+    srv.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together at most")
+    srv.add_argument("--max-wait-ms", type=float, default=10.0,
+                     help="when idle, how long a first request waits for others to share its batch")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting at most (then 503 + Retry-After)")
+    srv.add_argument("--max-input-tokens", type=int, default=512,
+                     help="longer inputs get 413 (or are cut with \"truncate\": true)")
+    srv.add_argument("--max-new-tokens-cap", type=int, default=512, help="the largest max_new_tokens a request may ask")
+    srv.add_argument("--max-beams", type=int, default=8, help="the largest num_beams a request may ask")
+    srv.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "int8"], default="fp32",
+                     help="as `generate --dtype`")
+    srv.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPUs)")
+    srv.add_argument("--tp", type=int, default=1, help="tensor parallel over N ranks under torchrun")
+    srv.add_argument("--api-key", help="require Authorization: Bearer KEY (default: $T5FORGE_API_KEY, if set)")
+    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
 
     from t5forge.bench import SUITES
 

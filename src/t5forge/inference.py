@@ -26,6 +26,7 @@ from t5forge.errors import CheckpointError, ConfigError
 from t5forge.fileio import write_text_atomic
 from t5forge.lifecycle import is_main_process
 from t5forge.models.hf import HFTensorReader, config_from_hf, from_pretrained, read_hf_config
+from t5forge.models.optimize import optimize_for_inference
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 from t5forge.parallel.mesh import build_mesh, world_size_from_env
 from t5forge.parallel.parallelize import materialize_from_hf, parallelize_t5
@@ -51,6 +52,17 @@ def load_for_generation(source: str | os.PathLike, tokenizer: str | os.PathLike 
     tok = T5Tokenizer(tokenizer)
     tok.check_fits(model.config.vocab_size, TOKENIZER_FIX)
     return model.eval(), tok
+
+
+def prepare_for_inference(model: T5ForConditionalGeneration, dtype: str = "fp32",
+                          compile: bool = False) -> T5ForConditionalGeneration:
+    """`model` made fast for inference in `dtype` (models/optimize.py). With `compile` in fp32 the weights stay
+    as they are: torch.compile traces plain linear layers, not oneDNN's packed ones."""
+    if compile and dtype == "int8":
+        raise ConfigError("--compile decodes fp32, bf16 or fp16 weights; int8 runs its own kernels (drop --compile)")
+    if compile and dtype == "fp32":
+        return model
+    return optimize_for_inference(model, dtype)
 
 
 @contextlib.contextmanager
@@ -90,12 +102,13 @@ def generate_command(source: str | os.PathLike, texts: list[str], *, input_path:
                      input_field: str = "input", output: str | None = None, prediction_field: str = "prediction",
                      tokenizer: str | None = None, tp: int = 1, batch_size: int = 8, max_input_tokens: int = 512,
                      truncate: bool = False, seed: int | None = None, progress: bool = False,
-                     emit: Callable[[str], None] = print, **settings) -> None:
+                     dtype: str = "fp32", compile: bool = False, emit: Callable[[str], None] = print,
+                     **settings) -> None:
     """`t5forge generate`: `texts`, or the `input_field` of every line of the JSONL file `input_path`, through
     the model of `source` (sharded over `tp` ranks under torchrun); rank 0 writes one JSONL line per input to
     `output` (atomically; only with `input_path`, and never over it) or emits them, then the throughput (to
     stderr). A line is the input's JSON object (or {"input": text}) with the prediction added as
-    `prediction_field`. `settings`: models/generate.py."""
+    `prediction_field`. `dtype`, `compile`: see prepare_for_inference. `settings`: models/generate.py."""
     if bool(texts) == bool(input_path):
         raise ConfigError("give texts to generate from, or --input FILE.jsonl (not both)")
     if output and not input_path:
@@ -115,6 +128,9 @@ def generate_command(source: str | os.PathLike, texts: list[str], *, input_path:
         else:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             model, tok = load_for_generation(source, tokenizer, device)
+        model = prepare_for_inference(model, dtype, compile)
+        if compile:
+            settings["compile"] = True
         if seed is not None:
             settings["generator"] = torch.Generator(device=device).manual_seed(seed)
         writer = is_main_process()

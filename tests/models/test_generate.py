@@ -1,7 +1,8 @@
 """Generation against transformers' `generate`, token for token: greedy, beam search (return sequences,
 length penalty, early stopping, no-repeat n-grams), repetition penalty, minimum length and seeded sampling,
-on a padded batch of inputs of different lengths, for every T5 variant; the cached decoder against the
-full forward pass."""
+on a padded batch of inputs of different lengths, for every T5 variant and every decoding path (the
+growing cache, the static cache, oneDNN-prepacked weights); the cached decoder against the full forward
+pass."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hf_reference import SMALL, VARIANTS, build_hf_model
 import t5forge
 from t5forge.errors import ConfigError
 from t5forge.models.generate import generate
+from t5forge.models.optimize import PackedLinear, optimize_for_inference
 from t5forge.models.t5 import KVCache
 
 SETTINGS = [
@@ -37,6 +39,26 @@ def models(request, tmp_path_factory):
     return request.param, hf, t5forge.from_pretrained(path).eval(), hf_cache
 
 
+# How generate decodes: the model's growing cache, the static cache (fixed buffers, per-row positions), and the
+# static cache over a model whose linear layers are prepacked for oneDNN (what `t5forge generate/serve` run).
+PATHS = ["eager", "static", "packed"]
+
+
+@pytest.fixture(scope="module")
+def packed(models):
+    import copy
+
+    model = optimize_for_inference(copy.deepcopy(models[2]), "fp32")
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) or not torch.backends.mkldnn.is_available()
+    return model
+
+
+def decode(path: str, models, packed, *args, **kwargs):
+    if path == "eager":
+        return generate(models[2], *args, **kwargs)
+    return generate(packed if path == "packed" else models[2], *args, static_cache=True, **kwargs)
+
+
 def padded_batch(vocab: int):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab, (3, 12), generator=g)
@@ -46,26 +68,28 @@ def padded_batch(vocab: int):
     return ids.masked_fill(mask == 0, 0), mask
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
-def test_search_is_token_identical_to_transformers(models, settings):
+def test_search_is_token_identical_to_transformers(models, packed, settings, path):
     name, hf, ours, hf_cache = models
     ids, mask = padded_batch(SMALL["vocab_size"])
     expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False,
                            use_cache=hf_cache, **settings)
-    got = ours.generate(ids, mask, max_new_tokens=15, **settings)
+    got = decode(path, models, packed, ids, mask, max_new_tokens=15, **settings)
     assert got.shape == expected.shape and torch.equal(got, expected), (name, settings, got, expected)
     assert (got[:, 0] == ours.config.decoder_start_token_id).all()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("settings", SAMPLING, ids=["top_k,temperature", "top_p"])
-def test_seeded_sampling_is_token_identical_to_transformers(models, settings):
+def test_seeded_sampling_is_token_identical_to_transformers(models, packed, settings, path):
     name, hf, ours, hf_cache = models
     ids, mask = padded_batch(SMALL["vocab_size"])
     torch.manual_seed(5)  # transformers samples from the global generator; so does generate without one
     expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=15, use_cache=hf_cache, **settings)
     torch.manual_seed(5)
-    got = generate(ours, ids, mask, max_new_tokens=15, **settings)
-    assert torch.equal(got, expected), (name, settings)
+    got = decode(path, models, packed, ids, mask, max_new_tokens=15, **settings)
+    assert torch.equal(got, expected), (name, settings, path)
     # A private generator gives the same draws for the same seed, whatever the global state.
     first = generate(ours, ids, mask, max_new_tokens=15, generator=torch.Generator().manual_seed(9), **settings)
     torch.manual_seed(123)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from t5forge.errors import ConfigError
+from t5forge.models.static_cache import StaticDecoder
 from t5forge.models.t5 import KVCache, T5ForConditionalGeneration
 
 NEG_INF = -1.0e9  # transformers' "finished or impossible" score in beam search
@@ -146,12 +147,15 @@ def _stop(done: bool, group) -> bool:
 
 
 def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, stop_group=None, **settings) -> torch.Tensor:
+             generator: torch.Generator | None = None, stop_group=None, static_cache: bool = False,
+             compile: bool = False, **settings) -> torch.Tensor:
     """Token ids [batch x num_return_sequences, length], each row beginning with decoder_start_token_id and
     padded with pad_token_id after its end. `settings`: see GenerationSettings. Sampling draws from
     `generator` (default: torch's global generator, as transformers does). With a `stop_group` (a process
     group), decoding goes on until every rank of it is done: for models whose forward pass communicates
-    over ranks with different inputs (FSDP); a finished batch then only gains padding at its end."""
+    over ranks with different inputs (FSDP); a finished batch then only gains padding at its end.
+    `static_cache`: decode with fixed-size buffers (models/static_cache.py), the same tokens; `compile`
+    (implies it): the decode step through torch.compile, captured once per batch-size bucket."""
     s = GenerationSettings(**settings)
     s.validate()
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:
@@ -164,18 +168,22 @@ def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attenti
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     try:
         with torch.no_grad() if sharded else torch.inference_mode():
+            rows_per_input = s.num_beams if s.num_beams > 1 else s.num_return_sequences
+            if static_cache or compile:
+                decoder = StaticDecoder(model, input_ids, attention_mask, rows_per_input, 1 + s.max_new_tokens,
+                                        compile)
+            else:
+                decoder = _Decoder(model, input_ids, attention_mask, rows_per_input)
             if s.num_beams > 1:
-                return _beam_search(model, input_ids, attention_mask, s, generator, stop_group)
-            return _greedy_or_sample(model, input_ids, attention_mask, s, generator, stop_group)
+                return _beam_search(model, decoder, input_ids, s, generator, stop_group)
+            return _greedy_or_sample(model, decoder, input_ids, s, generator, stop_group)
     finally:
         model.train(was_training)
 
 
-def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, generator,
-                      stop_group=None) -> torch.Tensor:
+def _greedy_or_sample(model, decoder, input_ids, s: GenerationSettings, generator, stop_group=None) -> torch.Tensor:
     cfg = model.config
     rows = input_ids.shape[0] * s.num_return_sequences
-    decoder = _Decoder(model, input_ids, attention_mask, s.num_return_sequences)
     sequences = torch.full((rows, 1), cfg.decoder_start_token_id, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
     for _ in range(s.max_new_tokens):
@@ -192,14 +200,12 @@ def _greedy_or_sample(model, input_ids, attention_mask, s: GenerationSettings, g
     return sequences
 
 
-def _beam_search(model, input_ids, attention_mask, s: GenerationSettings, generator,
-                 stop_group=None) -> torch.Tensor:
+def _beam_search(model, decoder, input_ids, s: GenerationSettings, generator, stop_group=None) -> torch.Tensor:
     """transformers' vectorised beam search (`_beam_search` and its helpers), for one eos token."""
     cfg = model.config
     batch, beams, device = input_ids.shape[0], s.num_beams, input_ids.device
     keep = 2 * beams  # candidates per input: max(2, 1 + number of eos tokens) x beams
     prompt_len, max_length = 1, 1 + s.max_new_tokens
-    decoder = _Decoder(model, input_ids, attention_mask, beams)
 
     # transformers fills unused positions with `pad_token_id or eos_token_id`: eos for T5's pad id 0.
     fill = cfg.pad_token_id or cfg.eos_token_id

@@ -267,6 +267,12 @@ class T5LayerCrossAttention(nn.Module):
         return hidden_states + self.dropout(attended)
 
 
+def linear_input_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a linear layer computes in: its weight's, or what a layer prepared for inference
+    (models/optimize.py: prepacked or int8 weights) names."""
+    return getattr(linear, "input_dtype", None) or linear.weight.dtype
+
+
 class T5DenseActDense(nn.Module):
     """v1.0 feed-forward: wo(act(wi(x)))."""
 
@@ -280,7 +286,7 @@ class T5DenseActDense(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.dropout(self.act(self.wi(hidden_states)))
         # Checkpoints may keep `wo` in fp32 while the rest is half (HF does so for Flan-T5-XXL).
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(hidden_states.to(linear_input_dtype(self.wo)))
 
 
 class T5DenseGatedActDense(nn.Module):
@@ -297,7 +303,7 @@ class T5DenseGatedActDense(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
         hidden_states = self.dropout(hidden_states)
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(hidden_states.to(linear_input_dtype(self.wo)))
 
 
 class T5LayerFF(nn.Module):
@@ -311,7 +317,7 @@ class T5LayerFF(nn.Module):
         return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
 
 
-def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+def clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     # As HF: keep fp16 activations finite so fp16 training of large T5s does not overflow into inf.
     if hidden_states.dtype != torch.float16:
         return hidden_states
@@ -356,11 +362,11 @@ class T5Block(nn.Module):
             # a cast per layer would copy [batch, heads, len, len] each time, forward and backward.
             position_bias = position_bias.to(compute_dtype(hidden_states))
         self_cache, cross_cache = (None, None) if cache is None else (cache.self, cache.cross)
-        hidden_states = _clamp_fp16(self.layer[0](hidden_states, position_bias, self_cache))
+        hidden_states = clamp_fp16(self.layer[0](hidden_states, position_bias, self_cache))
         if self.is_decoder:
-            hidden_states = _clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias,
+            hidden_states = clamp_fp16(self.layer[1](hidden_states, encoder_hidden_states, cross_attn_bias,
                                                       cross_cache))
-        return _clamp_fp16(self.layer[-1](hidden_states)), position_bias
+        return clamp_fp16(self.layer[-1](hidden_states)), position_bias
 
 
 def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
