@@ -98,9 +98,11 @@ def test_int8_weights_stay_close_to_fp32(vocab):
     with torch.inference_mode():
         reference = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
         got = quantized(input_ids=ids, decoder_input_ids=decoder_ids).logits
-    # Per position, the int8 logits stay within a few percent of the fp32 ones (weights rounded to 1/127).
+    # Per position, the int8 logits stay within 10% of the fp32 ones (measured 3-7%: weights in 1/127 steps
+    # per channel, activations in 7-bit steps per call, through 4 blocks and the head); a layer left in
+    # fp32 or quantized wrongly would show 0 or ~100%.
     error = (got - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert error.max() < 0.05, error
+    assert 0 < error.min() and error.max() < 0.1, error
     out = quantized.generate(ids, max_new_tokens=5, static_cache=True)
     assert out.shape == (2, 6)
 

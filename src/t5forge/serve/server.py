@@ -7,6 +7,7 @@ stops accepting connections, answers the requests in flight (the engine finishes
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 
@@ -70,7 +71,13 @@ def serve_command(source: str, *, host: str = "127.0.0.1", port: int = 8000, tok
         print(f"serving {source} on http://{host}:{sock.getsockname()[1]} ({dtype}{', compiled' if compile else ''}"
               f", max batch {max_batch_size}, max wait {max_wait_ms:g} ms{', API key required' if api_key else ''})",
               file=sys.stderr, flush=True)
-        server.run(sockets=[sock])
+        # uvicorn re-raises the signal it stopped on to the handler found before it ran: for SIGTERM, one that
+        # returns, so that a graceful stop ends with exit code 0 (SIGINT keeps Python's: exit 130).
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         engine.stop()
     finally:
         sock.close()
