@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from hf_reference import build_hf_model
 
 from t5forge.cli import main
@@ -37,3 +38,64 @@ def test_tensor_parallel_generation_matches_one_process(tokenizer_dir, tmp_path,
     # One process cannot serve --tp 2.
     assert main(["generate", str(model), "--tokenizer", str(tokenizer_dir), "x", "--tp", "2"]) == 2
     assert "--tp 2 needs 2 processes" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_serving_matches_one_process(tokenizer_dir, tmp_path):
+    """`torchrun --nproc-per-node 2 -m t5forge serve MODEL --tp 2`: rank 0 answers HTTP and sends each batch to
+    rank 1; greedy, beam and seeded sampling requests (concurrent) get one process's tokens; SIGTERM to the
+    launcher ends every process."""
+    import signal
+    import socket
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import torch
+
+    import t5forge
+    from t5forge.data.tokenizer import T5Tokenizer
+
+    model_dir = tmp_path / "hf"
+    build_hf_model(model_type="t5", untied=True, feed_forward_proj="gated-gelu", seed=4, **SHAPE).save_pretrained(model_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "t5forge", "serve", str(model_dir), "--tokenizer", str(tokenizer_dir), "--tp", "2",
+                                 "--port", str(port), "--max-wait-ms", "100"], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+            time.sleep(0.3)
+        bodies = [dict(text=TEXTS[:2], max_new_tokens=8), dict(text=TEXTS[2], max_new_tokens=6, num_beams=3),
+                  dict(text=TEXTS[0], max_new_tokens=6, do_sample=True, top_k=20, seed=11)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: httpx.post(f"{url}/v1/generate", json={**b, "return_token_ids": True},
+                                                         timeout=120), bodies))
+        model, tok = t5forge.from_pretrained(model_dir).eval(), T5Tokenizer(tokenizer_dir)
+        for body, answer in zip(bodies, answers):
+            assert answer.status_code == 200, answer.text
+            texts = [body["text"]] if isinstance(body["text"], str) else body["text"]
+            settings = {k: v for k, v in body.items() if k not in ("text", "seed")}
+            expected = []
+            for text in texts:
+                generator = torch.Generator().manual_seed(body["seed"]) if "seed" in body else None
+                row = model.generate(torch.tensor([tok.encode(text) + [tok.eos_id]]), generator=generator,
+                                     **settings)[0, 1:].tolist()
+                expected.append(row[:row.index(tok.eos_id)] if tok.eos_id in row else row)
+            assert answer.json()["token_ids"] == expected, body
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    time.sleep(1)
+    assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+                if str(model_dir) in line], "a rank outlived the launcher"

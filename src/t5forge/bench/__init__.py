@@ -40,6 +40,11 @@ def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no c
     return run_generate_benchmark(output_dir)
 
 
+def _serve(output_dir, work_dir) -> dict:
+    from t5forge.bench.serve import run_serve_benchmark
+    return run_serve_benchmark(output_dir, work_dir)
+
+
 SUITES = {
     "data": (_data, "preprocessing against the tokenizer's raw speed (1 and 2 workers, a >= 2 GB input's peak memory), the mixture blend index, loader, loader vs training step"),
     "distributed": (_distributed, "per-rank memory of parallel layouts, exposed gradient communication with and "
@@ -50,7 +55,9 @@ SUITES = {
     "cluster": (_cluster, "LiBai's 1n4g against 2n2g on network namespaces joined by a shaped link (T5 and mT5 "
                 "vocabularies, a tensor-parallel-across-nodes mapping), measured step time and bytes per link "
                 "against the planner's prediction"),
-    "generate": (_generate, "greedy and beam-4 tokens/s against transformers' generate"),
+    "generate": (_generate, "greedy and beam-4 tokens/s at batch 1 and 8 against transformers' generate and "
+                 "CTranslate2 (fp32, int8), T5 and mT5 vocabularies"),
+    "serve": (_serve, "a load test of t5forge serve at concurrency 1, 8 and 32 against one-at-a-time generate"),
     "planner": (_planner, "the layout planner's predictions beside published T5X and LiBai runs, its planning time "
                 "for mT5-xxl on 1024 GPUs, and the LiBai users' questions it answers"),
 }

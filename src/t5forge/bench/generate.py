@@ -1,91 +1,262 @@
-"""`t5forge bench generate`: tokens/s of greedy and beam-4 generation, t5forge's `generate` against
-transformers' on the same model (same weights) and the same inputs, alternating in one process.
+"""`t5forge bench generate`: tokens/s of greedy and beam-4 generation at batch 1 and 8, t5forge against
+transformers' `generate` on the same weights and inputs, and against CTranslate2 (fp32 and int8) when
+`ctranslate2` is installed (the `bench` extra; the model converted from t5forge's own HF export with
+CTranslate2's converter), all in one process, alternating.
 
-The model is T5-v1.1-shaped (4+4 layers, d_model 256, d_ff 1024, vocabulary 32128, random weights); the
-inputs are 8 rows of 128 random token ids, the second half of them right-padded to 64; each search
-generates max_new_tokens=32 (random weights rarely emit eos early, so the rows run to the end). Both
-sides' outputs are compared token for token; tokens/s counts generated tokens (after the start token, up
-to and including eos). Writes OUTPUT_DIR/generate.{json,md}."""
+Shapes: t5-v1.1-small (8+8 layers, d_model 512, 6 heads, d_ff 1024, vocabulary 32128), mt5-small (the same
+with mT5's 250,112-token vocabulary) and the bench's small shape (4+4 layers, d_model 256); random weights.
+Inputs: 8 rows of 32 random token ids; every side generates exactly 32 new tokens per row (min = max new
+tokens, eos barred before; CTranslate2: min/max_decoding_length), so token counts are equal. "batch 1"
+decodes the 8 inputs one call each, "batch 8" in one call.
+
+t5forge sides: fp32 (what `t5forge generate` and `serve` run on a CPU: weights prepacked for oneDNN),
+fp32 plain (`model.generate` on the model as loaded), fp32 compiled (plain weights, static cache,
+torch.compile'd step; t5-v1.1-small only: each bucket compiles for about a minute here), int8 (dynamic
+quantization). Agreement: the share of rows and tokens equal to transformers' fp32 output. Where the time
+goes: milliseconds per decoder step, the weight bytes a step reads over its time (a batch-1 step reads every
+decoder and head weight once: against the machine's measured read bandwidth), and a profile of one batch-8
+greedy run per torch side (linear layers, attention, other operators, and the rest: Python and dispatch).
+Writes OUTPUT_DIR/generate.{json,md}."""
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 from t5forge.bench.common import machine_info, markdown_table, write_report
 
-SHAPE = dict(vocab_size=32128, d_model=256, d_kv=64, d_ff=1024, num_layers=4, num_heads=4,
-             feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
-ROWS, SOURCE, NEW_TOKENS, REPEATS = 8, 128, 32, 3
-SEARCHES = {"greedy": dict(num_beams=1), "beam 4": dict(num_beams=4)}
+BASE = dict(d_kv=64, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
+SHAPES = {
+    "t5-v1.1-small": dict(vocab_size=32128, d_model=512, d_ff=1024, num_layers=8, num_heads=6, **BASE),
+    "mt5-small": dict(vocab_size=250112, d_model=512, d_ff=1024, num_layers=8, num_heads=6, **BASE),
+    "bench": dict(vocab_size=32128, d_model=256, d_ff=1024, num_layers=4, num_heads=4, **BASE),
+}
+COMPILED_SHAPES = ("t5-v1.1-small",)
+ROWS, SOURCE, NEW_TOKENS, REPEATS, BATCHES = 8, 32, 32, 3, (1, 8)
+SEARCHES = {"greedy": 1, "beam 4": 4}
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "mkldnn::_linear_pointwise",
+              "quantized::linear_dynamic", "aten::matmul")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
+                 "aten::softmax", "aten::_softmax", "aten::baddbmm")
 
 
-def _generated_tokens(sequences: torch.Tensor, eos: int) -> int:
-    total = 0
-    for row in sequences[:, 1:].tolist():
-        total += row.index(eos) + 1 if eos in row else len(row)
-    return total
+def read_bandwidth_gb_s() -> float:
+    """The machine's read bandwidth: summing a 256 MB tensor, best of 5."""
+    data = torch.ones(64 * 2**20)
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
 
 
-def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS, shape: dict = SHAPE,
-                           new_tokens: int = NEW_TOKENS) -> dict:
+def step_weight_bytes(model, bytes_per_weight: int) -> int:
+    """Bytes of the weights one decoder step reads: the decoder's linear layers and the lm_head."""
+    cfg = model.config
+    per_block = 4 * cfg.d_model * cfg.num_heads * cfg.d_kv + 2 * cfg.d_model * cfg.num_heads * cfg.d_kv
+    per_block += (3 if cfg.is_gated_act else 2) * cfg.d_model * cfg.d_ff
+    return (per_block * cfg.num_decoder_layers + cfg.d_model * cfg.vocab_size) * bytes_per_weight
+
+
+class CTranslate2Side:
+    """CTranslate2's Translator on the model converted from the HF export (fp32 or int8), token ids in
+    and out. Token strings are stand-ins (the converter only needs a vocabulary of unique strings)."""
+
+    def __init__(self, hf_dir: str, work_dir: str, vocab_size: int, quantization: str):
+        import ctranslate2
+
+        self.tokens = ["<pad>", "</s>", "<unk>"] + [f"t{i}" for i in range(3, vocab_size)]
+        self.ids = {token: i for i, token in enumerate(self.tokens)}
+        tokens = self.tokens
+
+        class StandInTokenizer:  # what the T5 loader reads from a tokenizer
+            pad_token, eos_token, unk_token, special_tokens_map = "<pad>", "</s>", "<unk>", {}
+
+            def get_vocab(self):
+                return {token: i for i, token in enumerate(tokens)}
+
+            def convert_ids_to_tokens(self, i):
+                return tokens[i]
+
+        class Converter(ctranslate2.converters.TransformersConverter):
+            def load_tokenizer(self, *args, **kwargs):
+                return StandInTokenizer()
+
+        out = os.path.join(work_dir, f"ct2-{quantization}")
+        Converter(hf_dir).convert(out, quantization=None if quantization == "float32" else quantization, force=True)
+        self.translator = ctranslate2.Translator(out, device="cpu", inter_threads=1,
+                                                 intra_threads=torch.get_num_threads(), compute_type=quantization)
+
+    def generate(self, input_ids: torch.Tensor, beams: int, new_tokens: int) -> torch.Tensor:
+        source = [[self.tokens[i] for i in row] for row in input_ids.tolist()]
+        results = self.translator.translate_batch(source, beam_size=beams, max_decoding_length=new_tokens,
+                                                  min_decoding_length=new_tokens)
+        return torch.tensor([[self.ids[t] for t in r.hypotheses[0]] for r in results])
+
+
+def _profile_shares(run: Callable[[], object]) -> dict:
+    """Shares of one run's wall time: linear layers, attention, other operators, the rest."""
+    from torch.profiler import profile
+
+    start = time.perf_counter()
+    with profile() as prof:
+        run()
+    wall = (time.perf_counter() - start) * 1e6
+    shares = {"linear": 0.0, "attention": 0.0, "other operators": 0.0}
+    for event in prof.key_averages():
+        if not (event.key.startswith(("aten::", "mkldnn::", "quantized::"))):
+            continue
+        kind = "linear" if event.key in LINEAR_OPS else "attention" if event.key in ATTENTION_OPS else "other operators"
+        shares[kind] += event.self_cpu_time_total
+    shares = {k: v / wall for k, v in shares.items()}
+    shares["python and dispatch"] = max(0.0, 1 - sum(shares.values()))
+    return shares
+
+
+def _bench_shape(name: str, shape: dict, repeats: int, new_tokens: int, batches, use_ct2: bool,
+                 compiled: bool) -> tuple[list[dict], dict]:
     import transformers
 
+    from t5forge.models.optimize import optimize_for_inference
     from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
-    torch.manual_seed(0)
-    ours = T5ForConditionalGeneration(T5Config(**shape))
-    ours.init_weights(torch.Generator().manual_seed(0))
-    ours.eval()
+    plain = T5ForConditionalGeneration(T5Config(**shape))
+    plain.init_weights(torch.Generator().manual_seed(0))
+    plain.eval()
+    packed = optimize_for_inference(copy.deepcopy(plain), "fp32")
+    int8 = optimize_for_inference(copy.deepcopy(plain), "int8")
+    input_ids = torch.randint(3, shape["vocab_size"], (ROWS, SOURCE), generator=torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp)
+        plain.save_pretrained(tmp)
         hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(2, shape["vocab_size"], (ROWS, SOURCE), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[ROWS // 2:, SOURCE // 2:] = 0
-    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
-    cases = []
-    for search, settings in SEARCHES.items():
-        kwargs = dict(max_new_tokens=new_tokens, **settings)
-        sides = {"t5forge": lambda: ours.generate(input_ids, attention_mask, **kwargs),
-                 "hf": lambda: hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                           **kwargs)}
-        times, outputs = {name: [] for name in sides}, {}
-        for name, run in sides.items():  # warm-up
-            outputs[name] = run()
-        for _ in range(repeats):
-            for name, run in sides.items():
-                start = time.perf_counter()
-                outputs[name] = run()
-                times[name].append(time.perf_counter() - start)
-        tokens = _generated_tokens(outputs["t5forge"], ours.config.eos_token_id)
-        result = {name: {"seconds": min(t), "tokens_per_s": tokens / min(t)} for name, t in times.items()}
-        cases.append({"search": search, "settings": kwargs, "generated_tokens": tokens,
-                      "identical_tokens": bool(torch.equal(outputs["t5forge"], outputs["hf"])), **result,
-                      "ratio_tokens_per_s": result["t5forge"]["tokens_per_s"] / result["hf"]["tokens_per_s"]})
+        ct2 = {}
+        if use_ct2:
+            ct2 = {f"ctranslate2 {q}": CTranslate2Side(tmp, tmp, shape["vocab_size"], q) for q in ("float32", "int8")}
+
+        def torch_side(model, **extra):
+            def run(ids, beams):
+                return model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, num_beams=beams, **extra)[:, 1:]
+            return run
+
+        def hf_run(ids, beams):
+            return hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, num_beams=beams, do_sample=False)[:, 1:]
+
+        sides = {"transformers fp32": hf_run, "t5forge fp32": torch_side(packed),
+                 "t5forge fp32 plain": torch_side(plain)}
+        if compiled:
+            sides["t5forge fp32 compiled"] = torch_side(plain, compile=True)
+        sides["t5forge int8"] = torch_side(int8)
+        for side_name, side in ct2.items():
+            sides[side_name] = lambda ids, beams, side=side: side.generate(ids, beams, new_tokens)
+        cases = []
+        with torch.inference_mode():
+            for batch in batches:
+                for search, beams in SEARCHES.items():
+                    def run_all(side, batch=batch, beams=beams):
+                        return torch.cat([side(input_ids[i:i + batch], beams) for i in range(0, ROWS, batch)])
+
+                    outputs, times = {}, {side: [] for side in sides}
+                    for side_name, side in sides.items():  # warm-up (and compilation)
+                        outputs[side_name] = run_all(side)
+                    for _ in range(repeats):
+                        for side_name, side in sides.items():
+                            start = time.perf_counter()
+                            outputs[side_name] = run_all(side)
+                            times[side_name].append(time.perf_counter() - start)
+                    reference = outputs["transformers fp32"]
+                    tokens = ROWS * new_tokens
+                    result = {}
+                    for side_name in sides:
+                        seconds = min(times[side_name])
+                        bytes_per_weight = 1 if "int8" in side_name else 4
+                        steps = (ROWS // batch) * new_tokens
+                        out = outputs[side_name]
+                        result[side_name] = {
+                            "seconds": seconds, "tokens_per_s": tokens / seconds, "ms_per_step": seconds / steps * 1e3,
+                            "weight_gb_per_s": step_weight_bytes(plain, bytes_per_weight) * steps / seconds / 1e9,
+                            "rows_equal_to_transformers": int((out == reference).all(dim=1).sum()) if out.shape ==
+                            reference.shape else 0,
+                            "token_agreement": float((out == reference).float().mean()) if out.shape ==
+                            reference.shape else 0.0}
+                    hf_speed = result["transformers fp32"]["tokens_per_s"]
+                    for side_result in result.values():
+                        side_result["ratio_to_transformers"] = side_result["tokens_per_s"] / hf_speed
+                    cases.append({"shape": name, "vocab_size": shape["vocab_size"], "batch": batch,
+                                  "search": search, "generated_tokens": tokens, "sides": result})
+            breakdown = {side: _profile_shares(lambda side=side: torch.cat([sides[side](input_ids, 1)]))
+                         for side in ("transformers fp32", "t5forge fp32", "t5forge fp32 plain", "t5forge int8")}
+    return cases, breakdown
+
+
+def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS, shapes: dict = SHAPES,
+                           new_tokens: int = NEW_TOKENS, batches=BATCHES, compiled_shapes=COMPILED_SHAPES,
+                           ctranslate2: bool | None = None) -> dict:
+    """Measure every shape of `shapes`; CTranslate2 too when `ctranslate2` (default: when it is installed)."""
+    import transformers
+
+    if ctranslate2 is None:
+        try:
+            import ctranslate2 as _  # noqa: F401
+
+            ctranslate2 = True
+        except ImportError:
+            ctranslate2 = False
+    cases, breakdowns = [], {}
+    for name, shape in shapes.items():
+        shape_cases, breakdowns[name] = _bench_shape(name, shape, repeats, new_tokens, batches, ctranslate2,
+                                                     name in compiled_shapes)
+        cases += shape_cases
     report = {"machine": machine_info(), "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-              "command": "t5forge bench generate", "shape": shape, "rows": ROWS, "source_tokens": SOURCE,
-              "repeats": repeats, "cases": cases}
+              "command": "t5forge bench generate", "shapes": shapes, "rows": ROWS, "source_tokens": SOURCE,
+              "new_tokens": new_tokens, "repeats": repeats, "read_bandwidth_gb_s": read_bandwidth_gb_s(),
+              "ctranslate2": _version("ctranslate2") if ctranslate2 else None, "cases": cases,
+              "breakdown_batch8_greedy": breakdowns}
     write_report(output_dir, "generate", report, render_markdown(report))
     return report
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
 def render_markdown(r: dict) -> str:
-    m, s = r["machine"], r["shape"]
+    m = r["machine"]
     lines = ["# Generation benchmark", "",
-             f"`{r['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers "
-             f"{r['transformers']}, {r['date']}: a T5-v1.1-shaped model ({s['num_layers']}+{s['num_layers']} "
-             f"layers, d_model {s['d_model']}, vocabulary {s['vocab_size']}, random weights), {r['rows']} inputs of "
-             f"{r['source_tokens']} tokens (half of them padded to {r['source_tokens'] // 2}), the best of "
-             f"{r['repeats']} runs after a warm-up, alternating with transformers' `generate` on the same weights.",
-             ""]
-    lines += markdown_table(["search", "generated tokens", "t5forge tokens/s", "transformers tokens/s",
-                             "t5forge / transformers", "same tokens"],
-                            [[c["search"], str(c["generated_tokens"]), f"{c['t5forge']['tokens_per_s']:.0f}",
-                              f"{c['hf']['tokens_per_s']:.0f}", f"{c['ratio_tokens_per_s']:.2f}x",
-                              "yes" if c["identical_tokens"] else "NO"] for c in r["cases"]])
+             f"`{r['command']}` on {m['cpu']} ({m['cores']} cores, measured read bandwidth "
+             f"{r['read_bandwidth_gb_s']:.1f} GB/s), torch {m['torch']}, transformers {r['transformers']}"
+             + (f", CTranslate2 {r['ctranslate2']}" if r["ctranslate2"] else ", CTranslate2 not installed")
+             + f", {r['date']}. {r['rows']} inputs of {r['source_tokens']} random tokens, exactly "
+             f"{r['new_tokens']} new tokens per row on every side; batch 1 = the inputs one call each; the best "
+             f"of {r['repeats']} runs after a warm-up, all sides alternating in one process on the same weights. "
+             "Ratios are to transformers' tokens/s in the same case. Agreement: rows (of 8) equal to "
+             "transformers' fp32 output. Weight GB/s: the decoder and head weight bytes each step reads, over "
+             "the step's time.", ""]
+    for shape in r["shapes"]:
+        s = r["shapes"][shape]
+        lines += [f"## {shape} ({s['num_layers']}+{s['num_layers']} layers, d_model {s['d_model']}, vocabulary "
+                  f"{s['vocab_size']})", ""]
+        rows = []
+        for c in [c for c in r["cases"] if c["shape"] == shape]:
+            for side, v in c["sides"].items():
+                rows.append([f"{c['search']}, batch {c['batch']}", side, f"{v['tokens_per_s']:.0f}",
+                             f"{v['ratio_to_transformers']:.2f}x", f"{v['ms_per_step']:.1f}",
+                             f"{v['weight_gb_per_s']:.1f}", f"{v['rows_equal_to_transformers']}/8"])
+        lines += markdown_table(["case", "side", "tokens/s", "vs transformers", "ms/step", "weight GB/s",
+                                 "agreement"], rows)
+        shares = r["breakdown_batch8_greedy"][shape]
+        lines += ["", "Where the time of a batch-8 greedy run goes (profiler, self time of operators):", ""]
+        kinds = list(next(iter(shares.values())))
+        lines += markdown_table(["side", *kinds],
+                                [[side, *[f"{100 * v[k]:.0f}%" for k in kinds]] for side, v in shares.items()])
+        lines.append("")
     return "\n".join(lines + [""])

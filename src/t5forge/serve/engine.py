@@ -90,6 +90,32 @@ def _tokens_until_eos(row: list[int], eos: int) -> tuple[list[int], int]:
     return row, len(row)
 
 
+def generate_ids(model: T5ForConditionalGeneration, pad_id: int, inputs: list[list[int]], settings: dict,
+                 seed: int | None = None, compile: bool = False) -> list:
+    """Token ids per input up to eos (included; a list per sequence when num_return_sequences > 1), through
+    `generate` on the inputs right-padded into one batch; sampling draws from a generator seeded `seed`."""
+    device = next(model.parameters()).device
+    length = max(map(len, inputs))
+    input_ids = torch.tensor([ids + [pad_id] * (length - len(ids)) for ids in inputs], device=device)
+    mask = (torch.arange(length, device=device)[None, :]
+            < torch.tensor([len(ids) for ids in inputs], device=device)[:, None]).long()
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(input_ids, mask, generator=generator, compile=compile, **settings)[:, 1:].tolist()
+    eos = model.config.eos_token_id
+    rows = [row[:row.index(eos) + 1] if eos in row else row for row in out]
+    per_input = settings.get("num_return_sequences", 1)
+    return rows if per_input == 1 else [rows[i:i + per_input] for i in range(0, len(rows), per_input)]
+
+
+def follow(model: T5ForConditionalGeneration, pad_id: int, receive: Callable[[], object]) -> None:
+    """A tensor-parallel rank other than 0: run every batch rank 0's engine runs (`receive` gives each
+    (inputs, settings, seed), None at the end), so that the sharded forward passes meet."""
+    with torch.inference_mode():
+        while (message := receive()) is not None:
+            inputs, settings, seed = message
+            generate_ids(model, pad_id, inputs, settings, seed)
+
+
 class Metrics:
     """What the engine counts, read by /metrics (Prometheus text format, prometheus_client, one registry per
     engine: no process-global state)."""
@@ -211,14 +237,18 @@ class Engine:
 
     def __init__(self, model: T5ForConditionalGeneration, tokenizer: T5Tokenizer, max_batch_size: int = 32,
                  max_wait_ms: float = 10.0, max_queue: int = 256, compile: bool = False,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, broadcast: Callable[[object], None] | None = None):
+        """`broadcast` (tensor parallel, on rank 0): sends each batch's (inputs, settings, seed) to the other
+        ranks before it runs (see `follow`); every job then runs in batches by settings (the sharded model
+        decodes with generate's own cache), and seedless sampling gets a seed that all ranks share."""
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000
-        self.compile = compile
+        self.compile, self.broadcast = compile, broadcast
         self.metrics = metrics or Metrics()
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.waiting: list[Job] = []  # taken off the queue, not yet started
-        self.batch = ContinuousBatch(model, step_function(model, compile), max_batch_size)
+        self.batch = (ContinuousBatch(model, step_function(model, compile), max_batch_size) if broadcast is None
+                      else None)
         self.accepting = True
         self.admitting: list[Job] = []  # jobs taken off `waiting` and not yet in the batch's slots
         self.thread = threading.Thread(target=self._run, name="t5forge-engine", daemon=True)
@@ -242,6 +272,8 @@ class Engine:
         self.accepting = False
         self.jobs.put(None)
         self.thread.join(timeout)
+        if self.broadcast is not None:
+            self.broadcast(None)  # the other ranks stop following
 
     # -- the worker ------------------------------------------------------------------------------------------
     def _take(self, block: bool, timeout: float | None = None) -> bool:
@@ -259,9 +291,9 @@ class Engine:
     def _run(self) -> None:
         stopping = False
         with torch.inference_mode():
-            while not (stopping and not self.waiting and self.batch.active == 0):
+            while not (stopping and not self.waiting and self._active() == 0):
                 try:
-                    if not self.waiting and self.batch.active == 0 and not stopping:
+                    if not self.waiting and self._active() == 0 and not stopping:
                         stopping = not self._take(block=True)
                         deadline = time.perf_counter() + self.max_wait
                         while not stopping and self._waiting_rows() < self.max_batch_size:
@@ -276,13 +308,21 @@ class Engine:
                 except Exception as error:  # noqa: BLE001 — answered to the jobs concerned, the engine goes on
                     self._fail_all(error)
 
+    def _active(self) -> int:
+        return 0 if self.batch is None else self.batch.active
+
+    def _continuous(self, job: Job) -> bool:
+        return self.batch is not None and job.continuous
+
     def _waiting_rows(self) -> int:
         return sum(len(job.inputs) for job in self.waiting)
 
     def _work(self) -> None:
         """Start what can start, then decode one step (continuous) or one whole batch (by settings)."""
-        if self.waiting and not self.waiting[0].continuous and self.batch.active == 0:
+        if self.waiting and not self._continuous(self.waiting[0]) and self._active() == 0:
             self._run_settings_batch()
+            return
+        if self.batch is None:
             return
         entries = []
         for job in list(self.waiting):
@@ -308,12 +348,13 @@ class Engine:
                 if job.pending == 0:
                     self._finish(job)
             self.metrics.active_rows.set(self.batch.active)
-        elif self.waiting and not self.waiting[0].continuous:
+        elif self.waiting and not self._continuous(self.waiting[0]):
             self._run_settings_batch()
 
     def _run_settings_batch(self) -> None:
         first = self.waiting[0]
-        key, jobs, rows = first.batch_key(), [], 0
+        key = first.batch_key()
+        jobs, rows = [], 0
         for job in list(self.waiting):
             if job.batch_key() == key and (not jobs or (first.seed is None and rows + len(job.inputs)
                                                         <= self.max_batch_size)):
@@ -323,34 +364,21 @@ class Engine:
         now = time.perf_counter()
         for job in jobs:
             job.started = now
-        inputs = [ids for job in jobs for ids in job.inputs]
-        settings = dict(first.settings)
-        if first.seed is not None:
-            settings["generator"] = torch.Generator(device=next(self.model.parameters()).device).manual_seed(first.seed)
+        inputs, settings, seed = [ids for job in jobs for ids in job.inputs], first.settings, first.seed
+        if seed is None and settings.get("do_sample") and self.broadcast is not None:
+            seed = int(torch.randint(2**62, ()))  # every rank must draw the same tokens
         self.metrics.encoder_batch.observe(len(inputs))
         self.metrics.batch_rows.observe(len(inputs) * max(settings.get("num_beams", 1),
                                                           settings.get("num_return_sequences", 1)))
         self.metrics.input_tokens.inc(sum(map(len, inputs)))
         self.admitting = jobs
-        predictions = self._generate_ids(inputs, settings)
+        if self.broadcast is not None:
+            self.broadcast((inputs, settings, seed))
+        predictions = generate_ids(self.model, self.tokenizer.pad_id, inputs, settings, seed, self.compile)
         self.admitting = []
         for job in jobs:
             job.outputs, predictions = predictions[:len(job.inputs)], predictions[len(job.inputs):]
             self._finish(job)
-
-    def _generate_ids(self, inputs: list[list[int]], settings: dict) -> list:
-        """Token ids per input (a list per sequence when num_return_sequences > 1), through `generate`."""
-        device = next(self.model.parameters()).device
-        length = max(map(len, inputs))
-        pad = self.tokenizer.pad_id
-        input_ids = torch.tensor([ids + [pad] * (length - len(ids)) for ids in inputs], device=device)
-        mask = (torch.arange(length, device=device)[None, :]
-                < torch.tensor([len(ids) for ids in inputs], device=device)[:, None]).long()
-        out = self.model.generate(input_ids, mask, compile=self.compile, **settings)[:, 1:].tolist()
-        per_input = settings.get("num_return_sequences", 1)
-        eos = self.model.config.eos_token_id
-        rows = [_tokens_until_eos(row, eos)[0] + ([eos] if eos in row else []) for row in out]
-        return rows if per_input == 1 else [rows[i:i + per_input] for i in range(0, len(rows), per_input)]
 
     def _finish(self, job: Job) -> None:
         eos = self.model.config.eos_token_id
@@ -369,8 +397,10 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         """An unexpected error while decoding: answer every job in flight with it and go on empty."""
-        jobs = [slot[0] for slot in self.batch.slots if slot is not None] + self.admitting
-        self.batch.cache, self.batch.slots, self.batch.tokens, self.batch.limits = None, [], [], []
+        jobs = self.admitting
+        if self.batch is not None:
+            jobs = [slot[0] for slot in self.batch.slots if slot is not None] + jobs
+            self.batch.cache, self.batch.slots, self.batch.tokens, self.batch.limits = None, [], [], []
         self.admitting = []
         for job in jobs:
             job.answer(error)
