@@ -15,7 +15,8 @@ torch.compile'd step; t5-v1.1-small only: each bucket compiles for about a minut
 quantization). Agreement: the share of rows and tokens equal to transformers' fp32 output. Where the time
 goes: milliseconds per decoder step, the weight bytes a step reads over its time (a batch-1 step reads every
 decoder and head weight once: against the machine's measured read bandwidth), and a profile of one batch-8
-greedy run per torch side (linear layers, attention, other operators, and the rest: Python and dispatch).
+greedy run (8 new tokens) per torch side (linear layers, attention, other operators, and the rest: Python
+and dispatch). CTranslate2 runs in a child process (see CTranslate2Side), timed there.
 Writes OUTPUT_DIR/generate.{json,md}."""
 
 from __future__ import annotations
@@ -64,40 +65,72 @@ def step_weight_bytes(model, bytes_per_weight: int) -> int:
     return (per_block * cfg.num_decoder_layers + cfg.d_model * cfg.vocab_size) * bytes_per_weight
 
 
-class CTranslate2Side:
-    """CTranslate2's Translator on the model converted from the HF export (fp32 or int8), token ids in
-    and out. Token strings are stand-ins (the converter only needs a vocabulary of unique strings)."""
+def _ct2_worker(connection, hf_dir: str, work_dir: str, vocab_size: int) -> None:
+    """The child process of CTranslate2Side: convert, load, then answer (quantization, input ids, beams, new
+    tokens) with (seconds, output ids) until None."""
+    import ctranslate2
 
-    def __init__(self, hf_dir: str, work_dir: str, vocab_size: int, quantization: str):
-        import ctranslate2
+    tokens = ["<pad>", "</s>", "<unk>"] + [f"t{i}" for i in range(3, vocab_size)]
+    ids = {token: i for i, token in enumerate(tokens)}
 
-        self.tokens = ["<pad>", "</s>", "<unk>"] + [f"t{i}" for i in range(3, vocab_size)]
-        self.ids = {token: i for i, token in enumerate(self.tokens)}
-        tokens = self.tokens
+    class StandInTokenizer:  # what the T5 loader reads from a tokenizer: a vocabulary of unique strings
+        pad_token, eos_token, unk_token, special_tokens_map = "<pad>", "</s>", "<unk>", {}
 
-        class StandInTokenizer:  # what the T5 loader reads from a tokenizer
-            pad_token, eos_token, unk_token, special_tokens_map = "<pad>", "</s>", "<unk>", {}
+        def get_vocab(self):
+            return dict(ids)
 
-            def get_vocab(self):
-                return {token: i for i, token in enumerate(tokens)}
+        def convert_ids_to_tokens(self, i):
+            return tokens[i]
 
-            def convert_ids_to_tokens(self, i):
-                return tokens[i]
+    class Converter(ctranslate2.converters.TransformersConverter):
+        def load_tokenizer(self, *args, **kwargs):
+            return StandInTokenizer()
 
-        class Converter(ctranslate2.converters.TransformersConverter):
-            def load_tokenizer(self, *args, **kwargs):
-                return StandInTokenizer()
-
+    translators = {}
+    for quantization in ("float32", "int8"):
         out = os.path.join(work_dir, f"ct2-{quantization}")
         Converter(hf_dir).convert(out, quantization=None if quantization == "float32" else quantization, force=True)
-        self.translator = ctranslate2.Translator(out, device="cpu", inter_threads=1,
-                                                 intra_threads=torch.get_num_threads(), compute_type=quantization)
+        translators[quantization] = ctranslate2.Translator(out, device="cpu", inter_threads=1,
+                                                           intra_threads=torch.get_num_threads(),
+                                                           compute_type=quantization)
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        quantization, batches, beams, new_tokens = request
+        start = time.perf_counter()
+        outputs = []
+        for batch in batches:
+            results = translators[quantization].translate_batch(
+                [[tokens[i] for i in row] for row in batch], beam_size=beams, max_decoding_length=new_tokens,
+                min_decoding_length=new_tokens)
+            outputs += [[ids[t] for t in r.hypotheses[0]] for r in results]
+        connection.send((time.perf_counter() - start, outputs))
 
-    def generate(self, input_ids: torch.Tensor, beams: int, new_tokens: int) -> torch.Tensor:
-        source = [[self.tokens[i] for i in row] for row in input_ids.tolist()]
-        results = self.translator.translate_batch(source, beam_size=beams, max_decoding_length=new_tokens,
-                                                  min_decoding_length=new_tokens)
-        return torch.tensor([[self.ids[t] for t in r.hypotheses[0]] for r in results])
+
+class CTranslate2Side:
+    """CTranslate2's Translator (fp32 and int8) on the model converted from the HF export, in a child process:
+    its bundled OpenMP runtime, once it has run in a process, slows torch's kernels there by a third
+    (measured: 70 -> 46 tokens/s for t5forge at batch 1), which would bias every side measured after it.
+    Token strings are stand-ins: the converter needs only a vocabulary of unique strings."""
+
+    def __init__(self, hf_dir: str, work_dir: str, vocab_size: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_ct2_worker, args=(child, hf_dir, work_dir, vocab_size), daemon=True)
+        self.process.start()
+        if self.connection.recv() != "ready":
+            raise RuntimeError("the CTranslate2 process did not start")
+
+    def run(self, quantization: str, batches: list[torch.Tensor], beams: int, new_tokens: int) -> tuple[float, torch.Tensor]:
+        """(seconds of the child's own timing, output ids) of generating for each batch of `batches`."""
+        self.connection.send((quantization, [b.tolist() for b in batches], beams, new_tokens))
+        seconds, outputs = self.connection.recv()
+        return seconds, torch.tensor(outputs)
+
+    def close(self) -> None:
+        self.connection.send(None)
+        self.process.join(timeout=60)
 
 
 def _profile_shares(run: Callable[[], object]) -> dict:
@@ -135,63 +168,67 @@ def _bench_shape(name: str, shape: dict, repeats: int, new_tokens: int, batches,
     with tempfile.TemporaryDirectory() as tmp:
         plain.save_pretrained(tmp)
         hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32).eval()
-        ct2 = {}
-        if use_ct2:
-            ct2 = {f"ctranslate2 {q}": CTranslate2Side(tmp, tmp, shape["vocab_size"], q) for q in ("float32", "int8")}
+        ct2 = CTranslate2Side(tmp, tmp, shape["vocab_size"]) if use_ct2 else None
 
         def torch_side(model, **extra):
-            def run(ids, beams):
-                return model.generate(ids, torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, num_beams=beams, **extra)[:, 1:]
+            def run(ids, beams, tokens=new_tokens):
+                return model.generate(ids, torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                                      num_beams=beams, **extra)[:, 1:]
             return run
 
-        def hf_run(ids, beams):
-            return hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, num_beams=beams, do_sample=False)[:, 1:]
+        def hf_run(ids, beams, tokens=new_tokens):
+            return hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                               min_new_tokens=tokens, num_beams=beams, do_sample=False)[:, 1:]
 
         sides = {"transformers fp32": hf_run, "t5forge fp32": torch_side(packed),
                  "t5forge fp32 plain": torch_side(plain)}
         if compiled:
             sides["t5forge fp32 compiled"] = torch_side(plain, compile=True)
         sides["t5forge int8"] = torch_side(int8)
-        for side_name, side in ct2.items():
-            sides[side_name] = lambda ids, beams, side=side: side.generate(ids, beams, new_tokens)
+        names = list(sides) + (["ctranslate2 float32", "ctranslate2 int8"] if ct2 else [])
         cases = []
         with torch.inference_mode():
             for batch in batches:
                 for search, beams in SEARCHES.items():
-                    def run_all(side, batch=batch, beams=beams):
-                        return torch.cat([side(input_ids[i:i + batch], beams) for i in range(0, ROWS, batch)])
+                    pieces = [input_ids[i:i + batch] for i in range(0, ROWS, batch)]
 
-                    outputs, times = {}, {side: [] for side in sides}
-                    for side_name, side in sides.items():  # warm-up (and compilation)
-                        outputs[side_name] = run_all(side)
+                    def measure(side_name, pieces=pieces, beams=beams):
+                        if side_name.startswith("ctranslate2"):
+                            return ct2.run(side_name.split()[1], pieces, beams, new_tokens)
+                        start = time.perf_counter()
+                        out = torch.cat([sides[side_name](piece, beams) for piece in pieces])
+                        return time.perf_counter() - start, out
+
+                    outputs, times = {}, {side: [] for side in names}
+                    for side_name in names:  # warm-up (and compilation)
+                        outputs[side_name] = measure(side_name)[1]
                     for _ in range(repeats):
-                        for side_name, side in sides.items():
-                            start = time.perf_counter()
-                            outputs[side_name] = run_all(side)
-                            times[side_name].append(time.perf_counter() - start)
+                        for side_name in names:
+                            seconds, outputs[side_name] = measure(side_name)
+                            times[side_name].append(seconds)
                     reference = outputs["transformers fp32"]
                     tokens = ROWS * new_tokens
                     result = {}
-                    for side_name in sides:
+                    for side_name in names:
                         seconds = min(times[side_name])
                         bytes_per_weight = 1 if "int8" in side_name else 4
                         steps = (ROWS // batch) * new_tokens
                         out = outputs[side_name]
+                        same = out.shape == reference.shape
                         result[side_name] = {
                             "seconds": seconds, "tokens_per_s": tokens / seconds, "ms_per_step": seconds / steps * 1e3,
                             "weight_gb_per_s": step_weight_bytes(plain, bytes_per_weight) * steps / seconds / 1e9,
-                            "rows_equal_to_transformers": int((out == reference).all(dim=1).sum()) if out.shape ==
-                            reference.shape else 0,
-                            "token_agreement": float((out == reference).float().mean()) if out.shape ==
-                            reference.shape else 0.0}
+                            "rows_equal_to_transformers": int((out == reference).all(dim=1).sum()) if same else 0,
+                            "token_agreement": float((out == reference).float().mean()) if same else 0.0}
                     hf_speed = result["transformers fp32"]["tokens_per_s"]
                     for side_result in result.values():
                         side_result["ratio_to_transformers"] = side_result["tokens_per_s"] / hf_speed
                     cases.append({"shape": name, "vocab_size": shape["vocab_size"], "batch": batch,
                                   "search": search, "generated_tokens": tokens, "sides": result})
-            breakdown = {side: _profile_shares(lambda side=side: torch.cat([sides[side](input_ids, 1)]))
+            if ct2:
+                ct2.close()
+            # A shorter run (8 tokens) for the profile: the profiler's own bookkeeping grows faster than its events.
+            breakdown = {side: _profile_shares(lambda side=side: sides[side](input_ids, 1, tokens=8))
                          for side in ("transformers fp32", "t5forge fp32", "t5forge fp32 plain", "t5forge int8")}
     return cases, breakdown
 
@@ -254,7 +291,7 @@ def render_markdown(r: dict) -> str:
         lines += markdown_table(["case", "side", "tokens/s", "vs transformers", "ms/step", "weight GB/s",
                                  "agreement"], rows)
         shares = r["breakdown_batch8_greedy"][shape]
-        lines += ["", "Where the time of a batch-8 greedy run goes (profiler, self time of operators):", ""]
+        lines += ["", "Where the time of a batch-8 greedy run (8 new tokens) goes (profiler, self time of operators):", ""]
         kinds = list(next(iter(shares.values())))
         lines += markdown_table(["side", *kinds],
                                 [[side, *[f"{100 * v[k]:.0f}%" for k in kinds]] for side, v in shares.items()])

@@ -252,7 +252,6 @@ class Engine:
         self.accepting = True
         self.admitting: list[Job] = []  # jobs taken off `waiting` and not yet in the batch's slots
         self.thread = threading.Thread(target=self._run, name="t5forge-engine", daemon=True)
-        self.error: BaseException | None = None
 
     def start(self) -> Engine:
         self.thread.start()
