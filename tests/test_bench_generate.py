@@ -31,10 +31,9 @@ def test_generate_benchmark_compares_with_transformers(tmp_path):
         # Same weights and inputs: fp32 sides give transformers' tokens, row for row.
         for side in ("t5forge fp32", "t5forge fp32 plain") + (("ctranslate2 float32",) if with_ct2 else ()):
             assert sides[side]["rows_equal_to_transformers"] == 8, (case["batch"], case["search"], side)
+        assert case["generated_tokens"] == 8 * 4  # exactly new_tokens per row on every side
         for v in sides.values():
-            assert v["tokens_per_s"] == case["generated_tokens"] / v["seconds"] and v["ms_per_step"] > 0
-            assert v["ratio_to_transformers"] == pytest.approx(v["tokens_per_s"]
-                                                               / sides["transformers fp32"]["tokens_per_s"])
+            assert v["seconds"] > 0 and 0 <= v["token_agreement"] <= 1
     shares = report["breakdown_batch8_greedy"]["tiny"]["t5forge fp32"]
     assert sum(shares.values()) == pytest.approx(1.0) and shares["linear"] > 0
     assert "| beam 4, batch 8 | t5forge int8 |" in (tmp_path / "generate.md").read_text()

@@ -619,14 +619,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--tokenizer", help="tokenizer directory (default: the model's, or the run's)")
-    srv.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together at most")
+    srv.add_argument("--max-batch-size", type=int, default=32,
+                     help="inputs decoded together at most, and texts per request (beam search decodes inputs x "
+                          "beams rows)")
     srv.add_argument("--max-wait-ms", type=float, default=10.0,
                      help="when idle, how long a first request waits for others to share its batch")
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting at most (then 503 + Retry-After)")
     srv.add_argument("--max-input-tokens", type=int, default=512,
                      help="longer inputs get 413 (or are cut with \"truncate\": true)")
     srv.add_argument("--max-new-tokens-cap", type=int, default=512, help="the largest max_new_tokens a request may ask")
-    srv.add_argument("--max-beams", type=int, default=8, help="the largest num_beams a request may ask")
+    srv.add_argument("--max-beams", type=int, default=8,
+                     help="the largest num_beams (and num_return_sequences) a request may ask")
     srv.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "int8"], default="fp32",
                      help="as `generate --dtype`")
     srv.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPUs)")

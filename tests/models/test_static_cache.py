@@ -103,8 +103,9 @@ def test_int8_weights_stay_close_to_fp32(vocab):
     # fp32 or quantized wrongly would show 0 or ~100%.
     error = (got - reference).norm(dim=-1) / reference.norm(dim=-1)
     assert 0 < error.min() and error.max() < 0.1, error
-    out = quantized.generate(ids, max_new_tokens=5, static_cache=True)
-    assert out.shape == (2, 6)
+    # The static cache decodes int8 weights as the growing cache does, token for token.
+    assert torch.equal(quantized.generate(ids, max_new_tokens=8, static_cache=True),
+                       quantized.generate(ids, max_new_tokens=8))
 
 
 def test_bad_inference_settings_are_refused():

@@ -120,6 +120,9 @@ def test_concurrent_requests_are_answered_as_generate_alone_and_share_batches(se
     ({"text": "x", "num_beams": 5}, 422, "num_beams"),  # over --max-beams 4
     ({"text": "x", "max_new_tokens": 0}, 422, "max_new_tokens"),
     ({"text": "x", "num_beams": 2, "num_return_sequences": 3}, 422, "settings"),
+    ({"text": "x", "do_sample": True, "num_return_sequences": 5}, 422, "num_return_sequences"),  # over the cap 4
+    ({"text": "x", "seed": 2**64}, 422, "seed"),
+    ({"text": "x", "max_new_tokens": 600}, 422, "max_new_tokens"),  # over --max-new-tokens-cap 512
     ({"text": ""}, 422, "text"),
     ({"text": []}, 422, "text"),
     ({"text": " ".join(TEXTS)}, 413, "text"),  # over --max-input-tokens 24
@@ -149,14 +152,22 @@ def test_api_key_truncation_port_in_use_and_sigterm(server, model_dir, tokenizer
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"t5forge serve: error: cannot listen on 127.0.0.1:{port}") and "\n" not in err
 
-    # SIGTERM while a long request decodes: it is answered in full, then the server exits 0.
+    # SIGTERM while a long request decodes (seen in the metrics): it is answered in full, then the server exits 0.
+    def active_rows() -> float:
+        text = httpx.get(f"{url}/metrics", headers=AUTH).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("t5forge_active_rows ")))
+
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(httpx.post, f"{url}/v1/generate", headers=AUTH, timeout=60,
-                              json={"text": TEXTS[0], "max_new_tokens": 300, "min_new_tokens": 300})
-        time.sleep(0.5)
+                              json={"text": TEXTS[0], "max_new_tokens": 500, "min_new_tokens": 500})
+        deadline = time.monotonic() + 30
+        while active_rows() == 0:
+            assert time.monotonic() < deadline and not pending.done(), "the request never started decoding"
         process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         response = pending.result()
-    assert response.status_code == 200 and response.json()["generated_tokens"] == 300
+    assert response.status_code == 200 and response.json()["generated_tokens"] == 500
+    assert time.monotonic() > signalled  # answered after the signal
     assert process.wait(timeout=30) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
@@ -206,11 +217,13 @@ def test_full_queue_is_503_with_retry_after(model_dir, tokenizer_dir):
     from fastapi.testclient import TestClient
 
     model, tok = t5forge.from_pretrained(model_dir).eval(), T5Tokenizer(tokenizer_dir)
-    engine = Engine(model, tok, max_queue=1)  # not started: the queue stays full
+    engine = Engine(model, tok, max_queue=2)  # not started: the queue stays full
     engine.submit(Job([[5, 1]], {}, deliver=lambda result: None))
     client = TestClient(build_app(engine, Limits(retry_after_s=3)))
+    engine.waiting.append(engine.jobs.get())  # a job the worker took and has not started counts as waiting
+    engine.submit(Job([[6, 1]], {}, deliver=lambda result: None))
     response = client.post("/v1/generate", json={"text": "x"})
-    assert response.status_code == 503 and response.headers["retry-after"] == "3"
+    assert response.status_code == 503 and response.headers["retry-after"] == "3", response.text
     engine.accepting = False
     assert client.post("/v1/generate", json={"text": "x"}).status_code == 503
     assert client.get("/health").status_code == 503

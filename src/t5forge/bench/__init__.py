@@ -35,9 +35,9 @@ def _cluster(output_dir, work_dir) -> dict:
     return run_cluster_benchmark(output_dir, work_dir)
 
 
-def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no corpus
+def _generate(output_dir, _work_dir) -> dict:  # random weights and inputs: no corpus (+ the demo's fine-tune)
     from t5forge.bench.generate import run_generate_benchmark
-    return run_generate_benchmark(output_dir)
+    return run_generate_benchmark(output_dir, finetuned_run="runs/demo-finetune")
 
 
 def _serve(output_dir, work_dir) -> dict:

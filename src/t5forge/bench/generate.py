@@ -1,7 +1,7 @@
 """`t5forge bench generate`: tokens/s of greedy and beam-4 generation at batch 1 and 8, t5forge against
 transformers' `generate` on the same weights and inputs, and against CTranslate2 (fp32 and int8) when
 `ctranslate2` is installed (the `bench` extra; the model converted from t5forge's own HF export with
-CTranslate2's converter), all in one process, alternating.
+CTranslate2's converter), alternating case by case (CTranslate2 in a child process of its own).
 
 Shapes: t5-v1.1-small (8+8 layers, d_model 512, 6 heads, d_ff 1024, vocabulary 32128), mt5-small (the same
 with mT5's 250,112-token vocabulary) and the bench's small shape (4+4 layers, d_model 256); random weights.
@@ -22,6 +22,7 @@ Writes OUTPUT_DIR/generate.{json,md}."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import tempfile
 import time
@@ -233,10 +234,41 @@ def _bench_shape(name: str, shape: dict, repeats: int, new_tokens: int, batches,
     return cases, breakdown
 
 
+def int8_on_finetuned(run_dir: str | os.PathLike) -> dict | None:
+    """int8 against fp32 on a fine-tuned run (`make demo`'s runs/demo-finetune): the validation examples of
+    its last generation eval, predicted by its best model in fp32 and in int8 (greedy, the run's input and
+    target lengths): the share of predictions equal, and each one's task scores. None without such a run."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from t5forge.inference import generate_texts, load_for_generation
+    from t5forge.models.optimize import optimize_for_inference
+    from t5forge.train.task_metrics import score
+
+    run = Path(run_dir)
+    evaluations = sorted((run / "predictions").glob("iter_*.jsonl"))
+    if not (run / "best" / "config.json").is_file() or not evaluations:
+        return None
+    config = OmegaConf.load(run / "config.yaml")
+    examples = [json.loads(line) for line in evaluations[-1].read_text().splitlines() if line.strip()]
+    texts, targets = [e["input"] for e in examples], [e["target"] for e in examples]
+    settings = dict(max_input_tokens=int(config.data.inputs_length), truncate=True,
+                    max_new_tokens=int(config.data.targets_length))
+    model, tok = load_for_generation(run / "best", config.data.tokenizer, torch.device("cpu"))
+    fp32, fp32_speed = generate_texts(model, tok, texts, batch_size=32, **settings)
+    int8, int8_speed = generate_texts(optimize_for_inference(model, "int8"), tok, texts, batch_size=32, **settings)
+    return {"run": str(run), "examples": len(texts), "settings": settings,
+            "equal_predictions": sum(a == b for a, b in zip(fp32, int8)) / len(texts),
+            "fp32": {**score(fp32, targets), "tokens_per_s": fp32_speed["tokens_per_s"]},
+            "int8": {**score(int8, targets), "tokens_per_s": int8_speed["tokens_per_s"]}}
+
+
 def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS, shapes: dict = SHAPES,
                            new_tokens: int = NEW_TOKENS, batches=BATCHES, compiled_shapes=COMPILED_SHAPES,
-                           ctranslate2: bool | None = None) -> dict:
-    """Measure every shape of `shapes`; CTranslate2 too when `ctranslate2` (default: when it is installed)."""
+                           ctranslate2: bool | None = None, finetuned_run: str | os.PathLike | None = None) -> dict:
+    """Measure every shape of `shapes`; CTranslate2 too when `ctranslate2` (default: when it is installed);
+    int8 against fp32 on `finetuned_run` when it holds a fine-tuned model (see int8_on_finetuned)."""
     import transformers
 
     if ctranslate2 is None:
@@ -255,7 +287,8 @@ def run_generate_benchmark(output_dir: str | os.PathLike, repeats: int = REPEATS
               "command": "t5forge bench generate", "shapes": shapes, "rows": ROWS, "source_tokens": SOURCE,
               "new_tokens": new_tokens, "repeats": repeats, "read_bandwidth_gb_s": read_bandwidth_gb_s(),
               "ctranslate2": _version("ctranslate2") if ctranslate2 else None, "cases": cases,
-              "breakdown_batch8_greedy": breakdowns}
+              "breakdown_batch8_greedy": breakdowns,
+              "int8_on_finetuned": None if finetuned_run is None else int8_on_finetuned(finetuned_run)}
     write_report(output_dir, "generate", report, render_markdown(report))
     return report
 
@@ -295,5 +328,17 @@ def render_markdown(r: dict) -> str:
         kinds = list(next(iter(shares.values())))
         lines += markdown_table(["side", *kinds],
                                 [[side, *[f"{100 * v[k]:.0f}%" for k in kinds]] for side, v in shares.items()])
+        lines.append("")
+    f = r.get("int8_on_finetuned")
+    lines += ["## int8 on a fine-tuned model", ""]
+    if f is None:
+        lines += ["Not measured: no fine-tuned run (`make demo` writes runs/demo-finetune).", ""]
+    else:
+        metrics = [k for k in f["fp32"] if k != "tokens_per_s"]
+        lines += [f"{f['run']} (the demo's fine-tune), its {f['examples']} validation examples, greedy: "
+                  f"{100 * f['equal_predictions']:.1f}% of the int8 predictions equal the fp32 ones.", ""]
+        lines += markdown_table(["weights", *metrics, "tokens/s (batch 32)"],
+                                [[w, *[f"{f[w][k]:.1f}" for k in metrics], f"{f[w]['tokens_per_s']:.0f}"]
+                                 for w in ("fp32", "int8")])
         lines.append("")
     return "\n".join(lines + [""])

@@ -155,7 +155,8 @@ def generate(model: T5ForConditionalGeneration, input_ids: torch.Tensor, attenti
     group), decoding goes on until every rank of it is done: for models whose forward pass communicates
     over ranks with different inputs (FSDP); a finished batch then only gains padding at its end.
     `static_cache`: decode with fixed-size buffers (models/static_cache.py), the same tokens; `compile`
-    (implies it): the decode step through torch.compile, captured once per batch-size bucket."""
+    (implies it): the decode step through torch.compile, captured once per bucket of shapes (rows, output and
+    input lengths rounded up to powers of two)."""
     s = GenerationSettings(**settings)
     s.validate()
     if input_ids.numel() == 0 or input_ids.shape[1] == 0:

@@ -180,7 +180,9 @@ class DecodeStep(nn.Module):
 
 def step_function(model: T5ForConditionalGeneration, compile: bool = False) -> Callable[..., torch.Tensor]:
     """`decode_step` bound to `model`; with `compile`, through `torch.compile` (CUDA graphs on GPU: mode
-    reduce-overhead), captured once per shape bucket and kept with the model for its later calls."""
+    reduce-overhead), captured once per (rows, capacity, source capacity) bucket and kept with the model for
+    its later calls. On GPUs each new cache's buffers are new addresses to the CUDA graphs (not verified on a
+    GPU here)."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError("the static-cache decoder runs an unsharded model; a sharded one (--tp) decodes with "
                           "the eager path (drop --compile)")
@@ -188,14 +190,19 @@ def step_function(model: T5ForConditionalGeneration, compile: bool = False) -> C
         return DecodeStep(model)
     compiled = model.__dict__.get("_compiled_decode_step")
     if compiled is None:
-        # One capture per (rows, capacity, source capacity) bucket: more than dynamo's default 8 per function.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         on_gpu = next(model.parameters()).device.type == "cuda"
         # On the CPU, freezing lets inductor treat the weights as constants and prepack them for oneDNN
         # (2.3x faster for an lm_head at one row): the compiled step serves inference only, for the weights
         # it was compiled with.
-        compiled = torch.compile(DecodeStep(model), dynamic=False, mode="reduce-overhead" if on_gpu else None,
-                                 options=None if on_gpu else {"freezing": True})
+        step = torch.compile(DecodeStep(model), dynamic=False, mode="reduce-overhead" if on_gpu else None,
+                             options=None if on_gpu else {"freezing": True})
+
+        def compiled(*args):
+            # One capture per (rows, capacity, source capacity) bucket: more than dynamo's default limit of 8
+            # per function, raised for these calls only.
+            with torch._dynamo.config.patch(recompile_limit=64):
+                return step(*args)
+
         # Kept in the instance's own dict, not registered as a submodule: no second entry in the state dict.
         model.__dict__["_compiled_decode_step"] = compiled
     return compiled

@@ -5,8 +5,9 @@ decoding happens in the engine (serve/engine.py), whose worker thread answers ea
   "truncate": false, "seed": null, "return_token_ids": false} -> {"texts", "generated_tokens",
   "input_tokens", "timing": {"queue_ms", "total_ms"}} (+ "token_ids"). An input over the length limit is 413
   unless "truncate"; unknown fields, bad values and settings over the server's caps are 422 naming the
-  field; a full queue is 503 with Retry-After; during shutdown 503.
-- `GET /health`: 200 {"status": "ok"} while serving, 503 while shutting down.
+  field (`settings` for settings inconsistent with each other); a full queue is 503 with Retry-After;
+  during shutdown 503.
+- `GET /health`: 200 {"status": "ok"} while serving, 503 while shutting down or once the engine stopped.
 - `GET /metrics`: Prometheus text format.
 With an API key, /v1/generate and /metrics need `Authorization: Bearer KEY` (401 otherwise)."""
 
@@ -31,8 +32,8 @@ class Limits:
     """What one request may ask for."""
 
     max_input_tokens: int = 512
-    max_new_tokens: int = 512
-    max_beams: int = 8
+    max_new_tokens_cap: int = 512
+    max_beams: int = 8  # also the cap of num_return_sequences
     max_inputs: int = 32  # texts per request
     retry_after_s: int = 1
 
@@ -56,7 +57,7 @@ class GenerateRequest(BaseModel):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     truncate: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     return_token_ids: bool = False
 
     def settings(self) -> dict:
@@ -78,6 +79,8 @@ def build_app(engine: Engine, limits: Limits, api_key: str | None = None, model_
         if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                if request.url.path == "/v1/generate":
+                    metrics.requests.labels("401").inc()
                 return JSONResponse({"detail": "missing or wrong API key: send Authorization: Bearer KEY"},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
         response = await call_next(request)
@@ -87,9 +90,10 @@ def build_app(engine: Engine, limits: Limits, api_key: str | None = None, model_
 
     @app.get("/health")
     async def health():
-        if not engine.accepting:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        return {"status": "ok", "model": model_name, "queue_depth": engine.jobs.qsize()}
+        if not engine.accepting or not engine.thread.is_alive():
+            return JSONResponse({"status": "shutting down" if engine.thread.is_alive() else "stopped"},
+                                status_code=503)
+        return {"status": "ok", "model": model_name, "queue_depth": engine.jobs.qsize() + len(engine.waiting)}
 
     @app.get("/metrics")
     async def prometheus():
@@ -107,9 +111,11 @@ def build_app(engine: Engine, limits: Limits, api_key: str | None = None, model_
             return field_error(413, "text", f"{len(texts)} texts in one request; the server takes at most "
                                             f"{limits.max_inputs} (--max-batch-size)")
         settings = body.settings()
-        for name, cap in (("max_new_tokens", limits.max_new_tokens), ("num_beams", limits.max_beams)):
+        for name, cap, flag in (("max_new_tokens", limits.max_new_tokens_cap, "--max-new-tokens-cap"),
+                                ("num_beams", limits.max_beams, "--max-beams"),
+                                ("num_return_sequences", limits.max_beams, "--max-beams")):
             if settings[name] > cap:
-                return field_error(422, name, f"{name}={settings[name]} is over this server's cap of {cap}")
+                return field_error(422, name, f"{name}={settings[name]} is over this server's cap of {cap} ({flag})")
         try:
             GenerationSettings(**settings).validate()
         except ConfigError as error:
@@ -129,7 +135,8 @@ def build_app(engine: Engine, limits: Limits, api_key: str | None = None, model_
         future = loop.create_future()
 
         def deliver(result: object) -> None:  # called by the engine's thread
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            if not loop.is_closed():  # closed: the server was forced down, nobody waits for this answer
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
         job = Job(inputs, settings, deliver, seed=body.seed, submitted=arrived)
         try:

@@ -18,6 +18,7 @@ When idle, the engine waits up to max_wait_ms after a first job for others to sh
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,17 +27,18 @@ from dataclasses import dataclass, field
 import torch
 
 from t5forge.data.tokenizer import T5Tokenizer
+from t5forge.errors import ConfigError, T5ForgeError
 from t5forge.models.generate import GenerationSettings
 from t5forge.models.static_cache import MIN_BUCKET, StaticKVCache, bucket, step_function
 from t5forge.models.t5 import T5ForConditionalGeneration
 
 
-class QueueFull(Exception):
-    """The engine's queue holds max_queue jobs already."""
+class QueueFull(T5ForgeError):
+    """The engine holds max_queue jobs that have not started."""
 
 
-class ShuttingDown(Exception):
-    """The engine stopped taking jobs (SIGTERM: it finishes those it has)."""
+class ShuttingDown(T5ForgeError):
+    """The engine stopped taking jobs (SIGTERM: it finishes those it has; or, tensor parallel, a batch failed)."""
 
 
 @dataclass
@@ -59,10 +61,14 @@ class Job:
         self.pending = len(self.inputs)
 
     def answer(self, result: object) -> None:
-        """Deliver `result` (a JobResult or an exception), once."""
+        """Deliver `result` (a JobResult or an exception), once. A failing delivery (the client's event loop
+        gone at a forced exit) concerns this job only."""
         if not self.delivered:
             self.delivered = True
-            self.deliver(result)
+            try:
+                self.deliver(result)
+            except Exception as error:  # noqa: BLE001 — the worker goes on with the other jobs
+                print(f"t5forge serve: a result could not be delivered: {error}", file=sys.stderr)
 
     @property
     def continuous(self) -> bool:
@@ -71,7 +77,8 @@ class Job:
                 and s.no_repeat_ngram_size == 0 and s.num_return_sequences == 1)
 
     def batch_key(self) -> tuple:
-        return ("continuous",) if self.continuous else (tuple(sorted(self.settings.items())), self.seed)
+        """Jobs with equal keys may share one `generate` call."""
+        return tuple(sorted(self.settings.items())), self.seed
 
 
 @dataclass
@@ -211,7 +218,8 @@ class ContinuousBatch:
                            c.self_values, c.cross_keys, c.cross_values, c.cross_bias)
         below_min = [self.slots[i] is not None and len(self.tokens[i]) < self.limits[i][0] for i in range(c.rows)]
         if any(below_min):  # as MinNewTokensLengthLogitsProcessor: no eos before min_new_tokens
-            logits[torch.tensor(below_min, device=self.device), eos_id] = -float("inf")
+            # masked_fill on the eos column: boolean indexing would read the mask's count back to the host
+            logits[:, eos_id].masked_fill_(torch.tensor(below_min, device=self.device), -float("inf"))
         next_tokens = logits.argmax(dim=-1).tolist()  # the one host read per step
         # Live rows move on; an empty slot stays at position 0 (it writes there until it is reused).
         c.positions += torch.tensor([slot is not None for slot in self.slots], device=self.device)
@@ -226,7 +234,7 @@ class ContinuousBatch:
                 c.positions[i] = 0
         if self.active == 0:
             self.cache, self.slots, self.tokens, self.limits = None, [], [], []
-        elif self.active <= c.rows // 2:  # shrink to the bucket of the live rows
+        elif self.active <= c.rows // 4:  # shrink to the bucket of the live rows (a margin: no shrink-regrow churn)
             needed = max(len(self.tokens[i]) for i, s in enumerate(self.slots) if s is not None) + 1
             self._resize(bucket(self.active), bucket(needed, MIN_BUCKET), c.source_capacity)
         return ended
@@ -245,7 +253,8 @@ class Engine:
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1000
         self.compile, self.broadcast = compile, broadcast
         self.metrics = metrics or Metrics()
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue + 1)  # + the stop sentinel
         self.waiting: list[Job] = []  # taken off the queue, not yet started
         self.batch = (ContinuousBatch(model, step_function(model, compile), max_batch_size) if broadcast is None
                       else None)
@@ -258,8 +267,13 @@ class Engine:
         return self
 
     def submit(self, job: Job) -> None:
+        """Queue `job`; QueueFull when max_queue jobs wait already (queued or taken, not started)."""
         if not self.accepting:
             raise ShuttingDown()
+        if len(job.inputs) > self.max_batch_size:
+            raise ConfigError(f"a job of {len(job.inputs)} inputs does not fit a batch of {self.max_batch_size}")
+        if self.jobs.qsize() + len(self.waiting) >= self.max_queue:
+            raise QueueFull()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -304,8 +318,16 @@ class Engine:
                         stopping = not self._take(block=False)
                     self.metrics.queue_depth.set(self.jobs.qsize() + len(self.waiting))
                     self._work()
-                except Exception as error:  # noqa: BLE001 — answered to the jobs concerned, the engine goes on
+                except Exception as error:  # noqa: BLE001 — answered to the jobs concerned
                     self._fail_all(error)
+                    if self.broadcast is not None:
+                        # The other ranks may be inside the failed batch's collectives: a next batch could meet
+                        # them out of step. Stop (health turns 503); the job's restart starts the ranks afresh.
+                        self.accepting = False
+                        for job in self.waiting:
+                            job.answer(ShuttingDown())
+                        self.waiting = []
+                        return
 
     def _active(self) -> int:
         return 0 if self.batch is None else self.batch.active

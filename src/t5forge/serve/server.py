@@ -36,15 +36,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _broadcast(message: object = None) -> object:
-    """Rank 0's `message` on every rank (a pickled object: these are the job's own processes)."""
-    import torch
-    import torch.distributed as dist
+class Broadcaster:
+    """Rank 0's messages to the other ranks (pickled objects: these are the job's own processes) over a gloo
+    group of their own, whose timeout outlasts any idle time of the server (the job's default group times out
+    after parallel.timeout_minutes; a follower waits for the next request as long as the server runs)."""
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    box = [message]
-    dist.broadcast_object_list(box, src=0, device=device)
-    return box[0]
+    def __init__(self):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+    def __call__(self, message: object = None) -> object:
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
 
 def serve_command(source: str, *, host: str = "127.0.0.1", port: int = 8000, tokenizer: str | None = None,
@@ -52,6 +61,14 @@ def serve_command(source: str, *, host: str = "127.0.0.1", port: int = 8000, tok
                   max_input_tokens: int = 512, max_new_tokens: int = 512, max_beams: int = 8,
                   dtype: str = "fp32", compile: bool = False, tp: int = 1, api_key: str | None = None,
                   log_level: str = "warning") -> None:
+    """`t5forge serve` (see the module's docstring); `max_new_tokens`: the cap of a request's max_new_tokens
+    (--max-new-tokens-cap)."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client", "httpx")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"t5forge serve needs {', '.join(missing)}: pip install 't5forge[serve]'")
     import torch
 
     from t5forge.inference import load_for_generation, prepare_for_inference, sharded_for_generation
@@ -76,10 +93,15 @@ def serve_command(source: str, *, host: str = "127.0.0.1", port: int = 8000, tok
         if tp > 1:
             model, tok = stack.enter_context(sharded_for_generation(source, tokenizer, tp))
             model = prepare_for_inference(model, dtype)
+            broadcast = Broadcaster()
             if not rank0:
-                follow(model, tok.pad_id, _broadcast)
+                # Signals are rank 0's to act on (torchrun passes them to every rank): a follower ends when rank
+                # 0 says so, after the requests in flight, or with the job.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                follow(model, tok.pad_id, broadcast)
                 return
-            engine = Engine(model, tok, max_batch_size, max_wait_ms, max_queue, broadcast=_broadcast)
+            engine = Engine(model, tok, max_batch_size, max_wait_ms, max_queue, broadcast=broadcast)
         else:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             model, tok = load_for_generation(source, tokenizer, device)
