@@ -307,7 +307,8 @@ def render_markdown(r: dict) -> str:
              + (f", CTranslate2 {r['ctranslate2']}" if r["ctranslate2"] else ", CTranslate2 not installed")
              + f", {r['date']}. {r['rows']} inputs of {r['source_tokens']} random tokens, exactly "
              f"{r['new_tokens']} new tokens per row on every side; batch 1 = the inputs one call each; the best "
-             f"of {r['repeats']} runs after a warm-up, all sides alternating in one process on the same weights. "
+             f"of {r['repeats']} runs after a warm-up, the sides alternating on the same weights (CTranslate2 in a "
+             "child process: its OpenMP runtime slows torch in a process it has run in). "
              "Ratios are to transformers' tokens/s in the same case. Agreement: rows (of 8) equal to "
              "transformers' fp32 output. Weight GB/s: the decoder and head weight bytes each step reads, over "
              "the step's time.", ""]
