@@ -107,7 +107,12 @@ def case_worker(config: str, out: str, overrides: list[str]) -> None:
     # its workers in a real run).
     timed = [_micro_batches(loader, trainer.accumulation) for _ in range(STEPS)]
     dist.barrier()
-    before, cpu_before, start = _interface_bytes(), _cpu_use(), time.perf_counter()
+    before = _interface_bytes()
+    # A second barrier: no rank of this node starts the first step's sends before its counter is read (a
+    # rank that left the first barrier early could, and its bytes would go uncounted). The barrier's own
+    # few hundred bytes are counted.
+    dist.barrier()
+    cpu_before, start = _cpu_use(), time.perf_counter()
     seconds = []
     for batches in timed:
         step_start = time.perf_counter()

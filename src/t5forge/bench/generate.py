@@ -337,7 +337,8 @@ def render_markdown(r: dict) -> str:
     else:
         metrics = [k for k in f["fp32"] if k != "tokens_per_s"]
         lines += [f"{f['run']} (the demo's fine-tune), its {f['examples']} validation examples, greedy: "
-                  f"{100 * f['equal_predictions']:.1f}% of the int8 predictions equal the fp32 ones.", ""]
+                  f"{100 * f['equal_predictions']:.1f}% of the int8 predictions equal the fp32 ones"
+                  + (f" (measured {f['measured']})" if f.get("measured") else "") + ".", ""]
         lines += markdown_table(["weights", *metrics, "tokens/s (batch 32)"],
                                 [[w, *[f"{f[w][k]:.1f}" for k in metrics], f"{f[w]['tokens_per_s']:.0f}"]
                                  for w in ("fp32", "int8")])

@@ -197,10 +197,12 @@ def step_function(model: T5ForConditionalGeneration, compile: bool = False) -> C
         step = torch.compile(DecodeStep(model), dynamic=False, mode="reduce-overhead" if on_gpu else None,
                              options=None if on_gpu else {"freezing": True})
 
+        # One capture per (rows, capacity, source capacity) bucket: more than dynamo's default limit of 8 per
+        # function, raised for these calls only (the setting's name before torch 2.6: cache_size_limit).
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
         def compiled(*args):
-            # One capture per (rows, capacity, source capacity) bucket: more than dynamo's default limit of 8
-            # per function, raised for these calls only.
-            with torch._dynamo.config.patch(recompile_limit=64):
+            with torch._dynamo.config.patch(**{limit: 64}):
                 return step(*args)
 
         # Kept in the instance's own dict, not registered as a submodule: no second entry in the state dict.
