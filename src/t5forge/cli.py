@@ -680,10 +680,23 @@ def main(argv: list[str] | None = None) -> int:
     from t5forge.errors import T5ForgeError
     from t5forge.lifecycle import check_torch_floor, configure_process
 
+    from t5forge.train.preemption import RunStopped
+
     configure_process()
     try:
         check_torch_floor()
         return args.func(args)
+    except RunStopped as stopped:  # not an error: the status tells a wrapper (Slurm's job script) to requeue
+        import gc
+        import os
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"t5forge {args.command}: {stopped}", file=sys.stderr)
+        status = stopped.exit_status
+        stopped.__traceback__ = None  # its frames hold the trainer: collected now, as cmd_train does
+        del stopped
+        gc.collect()
+        return status
     except T5ForgeError as e:
         import os
 

@@ -130,6 +130,9 @@ class TrainConfig:
     fused_loss: bool = True  # LM head + cross-entropy in token chunks: no [tokens, vocab] fp32 logits
     fused_gelu: bool = True  # PyTorch's fused tanh-GELU kernel instead of HF's op-by-op formula
     comm_audit: bool = False  # audit the collectives of one step (the 2nd): table in the log, comm_audit.json
+    # Signals that stop the run at the next step boundary with a checkpoint, exit status 128 + the signal's
+    # number (train/preemption.py); []: every signal keeps its default action.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
 
 
 @dataclass
@@ -441,6 +444,9 @@ def check_config(run: RunConfig) -> None:
     for key in ("eval_period", "save_period"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    from t5forge.train.preemption import check_stop_signals  # the one place that knows the signals
+
+    check_stop_signals(t.stop_signals)
     batch_arithmetic(t.global_batch_size, t.micro_batch_size, run.parallel.dp)
     o = run.optim
     if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or len(o.betas) != 2:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 
 from t5forge.errors import ConfigError
 
@@ -41,6 +42,20 @@ def die_with_parent(*_ignored) -> None:
         return  # refused (a sandbox without prctl): the launchers' own watchdogs remain
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
+
+
+# The signals that ask a run to stop gracefully (train.stop_signals' default; train/preemption.py): what the
+# launchers here forward to the processes they started instead of dying of them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def loader_worker_init(*_ignored) -> None:
+    """A DataLoader worker's set-up: it dies with its trainer (die_with_parent), and leaves the stop signals to
+    it: Slurm signals every process of a job and a terminal's Ctrl-C every process of its group, and a worker
+    that died of one would fail the trainer's next batch before its graceful stop."""
+    die_with_parent()
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def launched_by_torchrun() -> bool:
@@ -176,6 +191,7 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
                                    env={**env, **agent_env(i, processes),
                                         **({RENDEZVOUS_ERROR_ENV: error.name} if error else {})})
                   for i, (agent_command, (out, err), error) in enumerate(zip(agents_commands, outputs, errors))]
+        forwarding = _StopSignalForwarding(agents)
         try:
             codes = [a.wait() for a in agents]
         except BaseException:  # interrupted: the agents stop their ranks before this process goes
@@ -183,6 +199,8 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
                 a.terminate()
                 a.wait()
             raise
+        finally:
+            forwarding.close()
         unmet = [(i, reason) for i, error in enumerate(errors) if (reason := _read(error))]
         if unmet:
             within = f"{rendezvous_timeout} s" if rendezvous_timeout is not None else "torchrun's timeout"
@@ -190,6 +208,32 @@ def launch(command: list[str], processes: int, nodes: int = 1, max_restarts: int
                               f"within {within}: " + "; ".join(f"agent {i}: {reason}" for i, reason in unmet))
         return [subprocess.CompletedProcess(agent_command, code, _read(out), _read(err))
                 for agent_command, code, (out, err) in zip(agents_commands, codes, outputs)]
+
+
+class _StopSignalForwarding(contextlib.AbstractContextManager):
+    """While open (main thread only), a stop signal this process receives goes to the torchrun agents instead:
+    each sends it on to its ranks, which stop at a step boundary with a checkpoint (train/preemption.py),
+    and this process then returns their exit status as usual."""
+
+    def __init__(self, agents: list[subprocess.Popen]):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in STOP_SIGNALS:
+                self.previous[number] = signal.signal(number, lambda signum, _frame: self._forward(agents, signum))
+
+    @staticmethod
+    def _forward(agents: list[subprocess.Popen], signum: int) -> None:
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signum)
+
+    def close(self) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _node_args(agent: int, addresses: list[str] | None, rendezvous_timeout: int | None) -> list[str]:
@@ -216,13 +260,23 @@ def _read(file) -> str | None:
 
 def _agent(torchrun_args: list[str]) -> int:
     """torchrun, exiting with the first failing rank's status (torchrun's own is 1 whatever failed)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import main as torchrun
 
     die_with_parent()
+    # torchrun's agent turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into a shutdown that sends the same signal to
+    # its ranks, waits for them (30 s; --shutdown-timeout on newer torch) and ends. SIGUSR1 (Slurm's usual
+    # notice before the time limit) would kill the agent, and with it its ranks: it gets the same treatment.
+    def shut_down(signum: int, _frame) -> None:  # what torchrun's own handler does for the others
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+    signal.signal(signal.SIGUSR1, shut_down)
     try:
         torchrun(torchrun_args)
+    except SignalException as e:  # the ranks had the signal (they stop with a checkpoint): theirs is the status
+        return 128 + e.sigval
     except ChildFailedError as e:
         return next((f.exitcode for f in e.failures.values() if f.exitcode), 1)
     except RendezvousError as e:

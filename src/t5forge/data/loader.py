@@ -23,7 +23,7 @@ from t5forge.data.preprocess import read_info, tokenizer_fingerprint
 from t5forge.data.spans import SpanCorruption
 from t5forge.data.tokenizer import T5Tokenizer
 from t5forge.errors import ConfigError
-from t5forge.lifecycle import die_with_parent
+from t5forge.lifecycle import loader_worker_init
 
 SPLITS = ("train", "valid", "test")
 
@@ -215,5 +215,5 @@ def build_loader(
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG, which would
         # shift the dropout stream of a resumed run (samples do not use torch's RNG at all).
         generator=torch.Generator().manual_seed(0),
-        worker_init_fn=die_with_parent,  # no worker outlives a killed trainer
+        worker_init_fn=loader_worker_init,  # no worker outlives a killed trainer, none dies of a stop signal
     )

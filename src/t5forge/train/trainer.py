@@ -52,6 +52,8 @@ from t5forge.parallel.pipeline import Pipeline, describe_split
 from t5forge.parallel.tensor_parallel import reduce_partial_gradients
 from t5forge.parallel.vocab_parallel import rows_per_rank, shards_vocabulary_over_dp
 from t5forge.train import checkpoint as ckpt
+from t5forge.train.preemption import RunStopped, StopSignals
+from t5forge.train.run_lock import RunLock
 from t5forge.train.build import build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
 from t5forge.train.evaluate import evaluate
@@ -94,9 +96,11 @@ class Trainer:
         self.mesh = build_mesh(run.parallel)  # before the fake mode: the mesh reads its ranks from real tensors
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
         self.dry_run = dry_run
+        self.run_lock: RunLock | None = None
         try:
             resume_from, self.checkpoints, self.data = None, None, None
             if dry_run is None:  # a real run
+                ckpt.on_rank_zero(self.lock_run_dir)  # before anything is written; every rank hears a refusal
                 self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
                 resume_from = self.checkpoints.resume_point()
                 self.data = build_data(run, echo=self.echo)
@@ -121,8 +125,12 @@ class Trainer:
                 self.echo(f"resumed from {resume_from} at iteration {self.state.step}, consumed_samples "
                           f"{self.state.consumed_samples}")
         except BaseException:
-            self.close()  # a refused run leaves no process group behind
+            self.close(refused=True)  # a refused run leaves no process group (nor a directory it made) behind
             raise
+
+    def lock_run_dir(self) -> None:
+        """Rank 0's part: hold RUN_DIR's lock for this run (train/run_lock.py)."""
+        self.run_lock = RunLock.acquire(self.run_dir, echo=self.echo)
 
     def tensors(self) -> contextlib.AbstractContextManager:
         """Where the trainer's tensors are made: the dry run's fake mode, or real tensors."""
@@ -182,7 +190,10 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release(remove_created_dir=refused)
+            self.run_lock = None
         self.mesh.close()
 
     # -- what the run is -------------------------------------------------------------------------------
@@ -484,6 +495,17 @@ class Trainer:
             self.rng_to_restore = None
         # The audited step: the second of this run when there is one (the first also builds lazy state).
         audit_at = min(self.state.step + 2, self.max_steps) if self.options.comm_audit else None
+        with StopSignals(self.options.stop_signals, echo=self.echo) as stop:
+            self.steps(loader, hooks, audit_at, stop)
+        self.read_losses()
+        for hook in hooks:
+            hook.after_train()
+        if compiled_before is not None and (warning := compile_warning(compiled_before)):
+            self.echo(warning)  # dynamo falls back to eager silently: say so once, after the last evaluation
+
+    def steps(self, loader, hooks: list[Hook], audit_at: int | None, stop: StopSignals) -> None:
+        """The steps to max_steps; after a step that a stop signal ended (train/preemption.py): its
+        checkpoint, then RunStopped."""
         while self.state.step < self.max_steps:
             start = time.perf_counter()
             micro_batches = [next(loader) for _ in range(self.accumulation)]
@@ -496,7 +518,8 @@ class Trainer:
             self.divergence.record(self.state.step, loss, self.last_grad_norm, self.last_parameter_norms)
             self.state.consumed_samples += self.global_batch_size
             self.pending_losses.append(loss)
-            log_step = self.is_log_step(self.state.step)
+            signum = stop.requested()
+            log_step = self.is_log_step(self.state.step) or bool(signum)  # a stopped run logs its last steps
             info = StepInfo(step=self.state.step, max_steps=self.max_steps,
                             consumed_samples=self.state.consumed_samples, loss=loss, data_time=data_time,
                             log_step=log_step, lr=self.scheduler.get_last_lr()[0], grad_norm=self.last_grad_norm,
@@ -506,11 +529,9 @@ class Trainer:
                 self.divergence.check()
             for hook in hooks:
                 hook.after_step(info)
-        self.read_losses()
-        for hook in hooks:
-            hook.after_train()
-        if compiled_before is not None and (warning := compile_warning(compiled_before)):
-            self.echo(warning)  # dynamo falls back to eager silently: say so once, after the last evaluation
+            if signum:
+                saved = self.save(last_step=True) if self.checkpoints is not None else None
+                raise RunStopped(signum, self.state.step, saved)
 
 
 def default_hooks(trainer: Trainer, tensorboard: bool = True,

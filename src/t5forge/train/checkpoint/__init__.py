@@ -15,11 +15,11 @@ from t5forge.train.checkpoint.state import (
     save_training_checkpoint,
     set_rng_states,
 )
-from t5forge.train.checkpoint.store import checkpoint_name, latest_checkpoint, saved_checkpoints
+from t5forge.train.checkpoint.store import checkpoint_name, latest_checkpoint, on_rank_zero, saved_checkpoints
 
 __all__ = [
     "MANIFEST", "BestModel", "CheckpointManager", "checkpoint_name", "checkpoint_problems", "export_hf_model",
-    "is_dcp_checkpoint", "latest_checkpoint", "load_model_checkpoint", "load_training_checkpoint", "read_best",
+    "is_dcp_checkpoint", "latest_checkpoint", "load_model_checkpoint", "on_rank_zero", "load_training_checkpoint", "read_best",
     "read_metadata", "run_identity", "save_model_checkpoint", "save_training_checkpoint", "saved_checkpoints",
     "set_rng_states", "verify_checkpoint", "write_manifest",
 ]
