@@ -14,7 +14,7 @@ TORCH_FLOOR := 2.8.0
 FLOOR_VENV := .venv-floor
 DOCS_INSTALLED := $(VENV)/.docs-installed
 
-.PHONY: install test test-e2e test-floor demo docs clean
+.PHONY: install test test-e2e test-floor demo docs clean slurm-deps
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ test: $(INSTALLED)
 
 test-e2e: $(INSTALLED)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -q -m e2e --durations=10 tests
+
+# The local Slurm cluster of tests/distributed/test_slurm.py (e2e) needs Debian's Slurm and munge; as root with
+# apt, installed once; elsewhere nothing is done and that test says why it skips.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm-deps:
+	@if command -v slurmctld >/dev/null 2>&1 || test -x /usr/sbin/slurmctld; then echo "slurm: installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES)) >/dev/null \
+		&& echo "slurm: installed $(SLURM_PACKAGES)" || echo "slurm: apt-get could not install $(SLURM_PACKAGES)"; \
+	else echo "slurm: not installed (needs root and apt-get: apt-get install $(SLURM_PACKAGES))"; fi
 
 $(FLOOR_VENV)/.installed: pyproject.toml
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)

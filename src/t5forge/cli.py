@@ -370,6 +370,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    """`slurm`: the run's sbatch script (RUN_DIR/slurm/t5forge.sbatch), checked against the layout; --submit."""
+    import shlex
+
+    from t5forge.config import load_config
+    from t5forge.errors import ConfigError
+    from t5forge.slurm import submit, write_script
+    from t5forge.train.build import check_output_dir
+
+    for name in ("nodes", "max_restarts", "gpus_per_node"):
+        if getattr(args, name) < (1 if name == "nodes" else 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {1 if name == 'nodes' else 0}, "
+                              f"got {getattr(args, name)}")
+    nproc = args.nproc_per_node or args.gpus_per_node
+    if not nproc:
+        raise ConfigError("--gpus-per-node 0 (a CPU cluster) needs --nproc-per-node N: the processes per node")
+    _check_process_count(args.config, args.overrides, args.nodes * nproc)
+    run = load_config(args.config, args.overrides)
+    run_dir = Path(run.train.output_dir)
+    check_output_dir(run_dir, run.train.overwrite_output_dir)
+    command = shlex.join(["t5forge", "slurm", args.config, *args.overrides, "--nodes", str(args.nodes),
+                          "--gpus-per-node", str(args.gpus_per_node), "--nproc-per-node", str(nproc)])
+    script = write_script(args.config, args.overrides, run_dir, args.nodes, args.gpus_per_node, nproc,
+                          time=args.time, partition=args.partition, notice_s=args.signal_notice,
+                          max_restarts=args.max_restarts, job_name=args.job_name, command=command)
+    print(f"wrote {script} (the job's output goes to {script.parent}/)")
+    if args.submit:
+        print(f"submitted job {submit(script)}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from t5forge.serve.server import serve_command
 
@@ -612,6 +643,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode with a static cache and a torch.compile'd step (CUDA graphs on GPUs)")
     gen.set_defaults(func=cmd_generate)
 
+    slurm = sub.add_parser(
+        "slurm", help="write (and submit) the sbatch script of a run on a Slurm cluster",
+        description="Writes RUN_DIR/slurm/t5forge.sbatch: one torchrun agent per node (srun), a c10d rendezvous "
+                    "on the job's first node, --requeue, SIGUSR1 --signal-notice seconds before the time limit. "
+                    "A stop signal makes the run save and exit 128 + the signal; the script requeues the job "
+                    "and the next start resumes. The job's output: RUN_DIR/slurm/JOBNAME-JOBID.out.")
+    slurm.add_argument("config", metavar="CONFIG.yaml")
+    slurm.add_argument("overrides", nargs="*", metavar="key=value")
+    slurm.add_argument("--nodes", type=int, required=True, metavar="N")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="0 on a CPU cluster")
+    slurm.add_argument("--nproc-per-node", type=int, metavar="P", help="processes per node (default: G)")
+    slurm.add_argument("--time", help="the job's time limit, as sbatch --time (e.g. 12:00:00)")
+    slurm.add_argument("--partition", help="as sbatch --partition")
+    slurm.add_argument("--signal-notice", type=int, default=120, metavar="S",
+                       help="seconds before the time limit that Slurm sends SIGUSR1 (default 120)")
+    slurm.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="torchrun's restarts of a node's processes when one dies, within one job start")
+    slurm.add_argument("--job-name", default="t5forge")
+    slurm.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
+    slurm.set_defaults(func=cmd_slurm)
+
     srv = sub.add_parser("serve", help="serve a model over HTTP with dynamic batching",
                          description="MODEL_OR_RUN_DIR: an HF model directory (with its tokenizer, or --tokenizer) "
                                      "or a t5forge run directory. POST /v1/generate, GET /health, GET /metrics.")
@@ -661,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose positional list may continue after options (`generate MODEL --num-beams 4 "text"`,
 # `bench NAME --baseline hf train.compile=true`): argparse stops a positional list at the first option.
 _TRAILING_POSITIONALS = {"generate": "texts", "bench": "names", "train": "overrides", "finetune": "overrides",
+                         "slurm": "overrides",
                          "comm-audit": "overrides", "dry-run": "overrides"}
 
 

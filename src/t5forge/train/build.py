@@ -243,8 +243,10 @@ def plan_run(run: RunConfig, world_size: int) -> RunPlan:
 # Files only a t5forge run writes, any of which (or its temp file, ".NAME.tmp-...", left by a run killed while
 # writing it) makes a directory a run: config.yaml comes once the run is built, and a mixture's index cache,
 # checkpoints or metrics can be there without it.
-# ".lock" (train/run_lock.py) is taken first, so a run stopped before anything else is still a run.
-RUN_DIR_MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "mixture-cache", "comm_audit.json", "lock")
+# ".lock" (train/run_lock.py) is taken first, so a run stopped before anything else is still a run; `t5forge
+# slurm` writes slurm/ (the job script and output) before the job starts.
+RUN_DIR_MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "mixture-cache", "comm_audit.json", "lock",
+                   "slurm")
 
 
 def check_output_dir(path: Path, overwrite: bool = False) -> None:
