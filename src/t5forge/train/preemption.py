@@ -4,9 +4,10 @@ and the process exits with 128 + the signal's number (143 for SIGTERM, 130 for S
 status a wrapper reads to requeue the job; the next launch resumes from that checkpoint (train.resume=auto).
 
 - The handler only records the signal: the step in flight finishes as it would have.
-- The ranks agree after every step: one all-reduce (max) of the signal number on the gloo group of the
-  rank-0 work (parallel/mesh.py), host memory only — no device synchronisation — so that every rank stops
-  after the same step even when the signal reached them at different moments (or only some of them).
+- The ranks agree after every step: one all-reduce (max) of the signal number on a gloo group of their own,
+  in host memory — no device synchronisation — so that every rank stops after the same step even when the
+  signal reached them at different moments (or only some of them). Its timeout is the step collectives'
+  (parallel.timeout_minutes): a rank that failed is noticed as soon as in a step.
 - A second signal of the same kind arriving within DUPLICATE_WINDOW_S of the first is the same notice
   delivered twice (Slurm signals every process of a job step, and torchrun forwards what it received to its
   ranks) and is ignored. A later one means "now": the default action of the signal kills the process, during
@@ -19,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 from t5forge.errors import ConfigError
 
@@ -60,23 +62,33 @@ class StopSignals:
     (`requested()`, collective); outside, their previous handlers are back. Installs nothing off the main
     thread (Python delivers signals to it only): `requested()` is then always 0."""
 
-    def __init__(self, names: list[str], echo=print):
+    def __init__(self, names: list[str], timeout_minutes: float = 10.0, echo=print):
         self.signals = check_stop_signals(names)
-        self.echo = echo
+        self.timeout_minutes, self.echo = timeout_minutes, echo
         self.received: int = 0
         self.first_at = 0.0
         self.previous: dict[int, object] = {}
+        self.group = None
 
     def __enter__(self) -> StopSignals:
+        import torch.distributed as dist
+
         if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self.previous[number] = signal.signal(number, self._handle)
+        if self.signals and dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank enters
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.timeout_minutes))
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         self.previous = {}
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
@@ -97,10 +109,8 @@ class StopSignals:
         import torch
         import torch.distributed as dist
 
-        from t5forge.parallel.mesh import rank_zero_work_group
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if self.group is None:
             return self.received
         flag = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rank_zero_work_group())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag[0])

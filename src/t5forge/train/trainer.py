@@ -495,7 +495,7 @@ class Trainer:
             self.rng_to_restore = None
         # The audited step: the second of this run when there is one (the first also builds lazy state).
         audit_at = min(self.state.step + 2, self.max_steps) if self.options.comm_audit else None
-        with StopSignals(self.options.stop_signals, echo=self.echo) as stop:
+        with StopSignals(self.options.stop_signals, self.parallel.timeout_minutes, echo=self.echo) as stop:
             self.steps(loader, hooks, audit_at, stop)
         self.read_losses()
         for hook in hooks:
