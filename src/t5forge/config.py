@@ -8,6 +8,7 @@ import difflib
 import math
 import os
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,19 @@ class DataConfig:
     # examples-proportional mixing with its K); weights: proportional to each task's weight
     task_mixing: str = "examples_proportional"
     task_mixing_cap: int | None = None  # examples_proportional: None, no cap
+
+
+def check_stop_signals(names: list[str]) -> list[signal.Signals]:
+    """train.stop_signals as signals (SIGTERM, TERM, ...), or a ConfigError naming the unknown or uncatchable one."""
+    found = []
+    for name in names:
+        text = str(name).upper()
+        number = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)
+        if number is None or number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"train.stop_signals: {name!r} is not a signal a process can catch; use names such "
+                              "as SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] for none)")
+        found.append(number)
+    return found
 
 
 MIN_INPUTS_LENGTH = 8  # span corruption needs room for a noise span, its sentinel and eos
@@ -444,8 +458,6 @@ def check_config(run: RunConfig) -> None:
     for key in ("eval_period", "save_period"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
-    from t5forge.train.preemption import check_stop_signals  # the one place that knows the signals
-
     check_stop_signals(t.stop_signals)
     batch_arithmetic(t.global_batch_size, t.micro_batch_size, run.parallel.dp)
     o = run.optim

@@ -20,11 +20,10 @@ import pytest
 import torch
 
 from t5forge.cli import main
-from t5forge.config import load_config, to_yaml
+from t5forge.config import check_stop_signals, load_config, to_yaml
 from t5forge.errors import ConfigError
 from t5forge.train.checkpoint import latest_checkpoint, saved_checkpoints
 from t5forge.train.metrics import read_metrics
-from t5forge.train.preemption import check_stop_signals
 from t5forge.train.run_lock import LOCK_NAME, RunLock
 from t5forge.train.trainer import train
 

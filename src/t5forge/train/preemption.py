@@ -22,24 +22,10 @@ import threading
 import time
 from datetime import timedelta
 
-from t5forge.errors import ConfigError
+from t5forge.config import check_stop_signals
 
 EXIT_STATUS_BASE = 128  # exit status = 128 + signal number, as a shell reports a process a signal ended
 DUPLICATE_WINDOW_S = 1.0
-
-
-def check_stop_signals(names: list[str]) -> list[signal.Signals]:
-    """The signals named (SIGTERM, TERM, ...), or a ConfigError naming the unknown or uncatchable one."""
-    found = []
-    for name in names:
-        text = str(name).upper()
-        text = text if text.startswith("SIG") else f"SIG{text}"
-        number = getattr(signal.Signals, text, None)
-        if number is None or number in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(f"train.stop_signals: {name!r} is not a signal a process can catch; use names such "
-                              "as SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] for none)")
-        found.append(number)
-    return found
 
 
 class RunStopped(Exception):
@@ -76,7 +62,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self.previous[number] = signal.signal(number, self._handle)
-        if self.signals and dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank enters
+        # Collective (every rank enters); none on torch's stand-in group for dry runs, which has no peers.
+        if self.signals and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
             self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.timeout_minutes))
         return self
 
