@@ -68,7 +68,8 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
             done = len(logged(run_dir))
             deadline = time.monotonic() + 240
             while len(logged(run_dir)) < done + 2:
-                assert time.monotonic() < deadline, slurm.job(job)
+                assert time.monotonic() < deadline, {k: v for k, v in slurm.job(job).items()
+                                                     if k in ("JobState", "Reason", "Restarts", "EligibleTime")}
                 time.sleep(0.05)
             at = len(logged(run_dir))
             slurm.run(preempt)
@@ -76,8 +77,13 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
             trials.append({"preempted_by": " ".join(preempt[:2]), "after_iteration": at,
                            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")),
                            "restarts": pending["Restarts"]})
-            # A requeued job waits 2 minutes before it may start again (Slurm's own delay): start it now.
-            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            # A requeued job waits 2 minutes before it may start again (Slurm's own delay): start it now, again
+            # until it runs (an update that lands while the old start is still completing is overridden).
+            deadline = time.monotonic() + 240
+            while slurm.job(job)["JobState"] == "PENDING":
+                assert time.monotonic() < deadline, slurm.job(job)
+                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+                time.sleep(2)
         final = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout_s=300)
         log = (run_dir / "slurm" / f"t5forge-{job}.out").read_text()
         assert final["JobState"] == "COMPLETED" and final["Restarts"] == "2", (final, log[-3000:])
