@@ -36,20 +36,26 @@ def children(pid: int) -> list[int]:
 
 
 def logged(run_dir: Path) -> list[dict]:
+    """The loss records of RUN_DIR/metrics.jsonl, one per logged iteration."""
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def two_rank_config(tmp_path: Path, name: str, dataset_prefix, tokenizer_dir, steps: int, save_period: int) -> Path:
+    """TMP/NAME.yaml: a tiny dp=2 run into TMP/NAME, dropout on (its RNG streams must resume), every step logged."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(to_yaml(load_config(None, [
+        *TINY_RUN, f"data.dataset={dataset_prefix}", f"data.tokenizer={tokenizer_dir}", "data.inputs_length=64",
+        "data.num_workers=1", "train.micro_batch_size=2", "train.global_batch_size=8",
+        f"train.max_steps={steps}", "train.log_period=1", "train.eval_period=0", f"train.save_period={save_period}",
+        "train.export_hf=false", "optim.lr=3e-3", "model.dropout_rate=0.1", "parallel.dp=2",
+        f"train.output_dir={tmp_path / name}"])))
+    return path
 
 
 @pytest.mark.e2e
 def test_signals_and_a_killed_launcher_at_random_moments_lose_nothing(tmp_path, dataset_prefix, tokenizer_dir):
     def config_file(name: str) -> Path:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(to_yaml(load_config(None, [
-            *TINY_RUN, f"data.dataset={dataset_prefix}", f"data.tokenizer={tokenizer_dir}", "data.inputs_length=64",
-            "data.num_workers=1", "train.micro_batch_size=2", "train.global_batch_size=8",
-            f"train.max_steps={STEPS}", "train.log_period=1", "train.eval_period=0", "train.save_period=3",
-            "train.export_hf=false", "optim.lr=3e-3", "model.dropout_rate=0.1", "parallel.dp=2",
-            f"train.output_dir={tmp_path / name}"])))
-        return path
+        return two_rank_config(tmp_path, name, dataset_prefix, tokenizer_dir, STEPS, save_period=3)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
 

@@ -14,18 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_auto_restart import TINY_RUN
+from test_preemption_launch import logged, two_rank_config
 
 from t5forge.cli import main
-from t5forge.config import load_config, to_yaml
 from t5forge.testing.slurm import LocalSlurm, unavailable_reason
-from t5forge.train.metrics import read_metrics
 
 STEPS = 12
-
-
-def logged(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
 
 @pytest.mark.e2e
@@ -35,14 +29,7 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
         pytest.skip(reason)
 
     def config_file(name: str) -> Path:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(to_yaml(load_config(None, [
-            *TINY_RUN, f"data.dataset={dataset_prefix}", f"data.tokenizer={tokenizer_dir}", "data.inputs_length=64",
-            "data.num_workers=1", "train.micro_batch_size=2", "train.global_batch_size=8",
-            f"train.max_steps={STEPS}", "train.log_period=1", "train.eval_period=0", "train.save_period=4",
-            "train.export_hf=false", "optim.lr=3e-3", "model.dropout_rate=0.1", "parallel.dp=2",
-            f"train.output_dir={tmp_path / name}"])))
-        return path
+        return two_rank_config(tmp_path, name, dataset_prefix, tokenizer_dir, STEPS, save_period=4)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     reference = subprocess.run([sys.executable, "-m", "t5forge", "train", str(config_file("reference")),
