@@ -51,7 +51,7 @@ def test_resumed_run_gives_bitwise_the_losses_of_the_uninterrupted_run(tmp_path,
     straight = quiet_train(run_config(tmp_path, dataset_prefix, tokenizer_dir, *common, name="straight"))
 
     crashed = Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, *common, name="resumed"), echo=lambda *_: None)
-    crashed.run_dir.mkdir()
+    crashed.run_dir.mkdir(exist_ok=True)  # (the trainer has made it: its lock is there)
     (crashed.run_dir / "config.yaml").write_text((straight.run_dir / "config.yaml").read_text()
                                                  .replace(str(straight.run_dir), str(crashed.run_dir)))
     with crashed, pytest.raises(Crash):  # checkpoint at step 3, crash after step 4

@@ -88,7 +88,8 @@ def worker(config: str, out: str, cases: list[dict]) -> None:
         stages = {r: sum(b) / len(b) for r, b in per_rank}
         results.append({**case, "step_s": step, "busy_s": [stages[r] for r in sorted(stages)],
                         "idle_share": [1 - stages[r] / step for r in sorted(stages)], "layers": trainer.pp_layers})
-        del trainer  # the process group (not the trainer's) serves the next case
+        trainer.close()  # its run lock; the process group (not the trainer's) serves the next case
+        del trainer
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
