@@ -412,6 +412,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from t5forge.report import write_report
+
+    write_report(args.paths, args.output, bench=args.bench, verify_checksums=not args.no_checksums,
+                 echo=lambda line: print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout))
+    return 0
+
+
 def cmd_checkpoint_verify(args) -> int:
     from t5forge.errors import CheckpointError
     from t5forge.train.checkpoint import MANIFEST, checkpoint_problems, is_dcp_checkpoint
@@ -691,6 +699,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     from t5forge.bench import SUITES
+
+    report = sub.add_parser(
+        "report", help="one self-contained HTML page of a run, of runs compared, or of benchmark results",
+        description="Losses against steps and tokens, learning rate, gradient norm, throughput, MFU and memory, "
+        "fine-tuning scores and predictions, the communication audit, model, layout, config (and their "
+        "differences) and checkpoints with their verification, in one HTML file that needs no network to view.")
+    report.add_argument("paths", nargs="*", metavar="RUN_DIR",
+                        help="run directories (several: overlaid and compared), or a directory of benchmark results")
+    report.add_argument("--output", "-o", default=None,
+                        help="the HTML file (default: RUN_DIR/report.html; report.html for several runs)")
+    report.add_argument("--bench", action="append", default=[], metavar="FILE.json",
+                        help="a benchmark result of `t5forge bench` (repeatable)")
+    report.add_argument("--no-checksums", action="store_true",
+                        help="check the checkpoints' file sizes only, not their SHA-256 (fast for large ones)")
+    report.set_defaults(func=cmd_report)
 
     bench = sub.add_parser("bench", help="run a benchmark and write its results (JSON + markdown)")
     bench.add_argument("names", nargs="+", metavar="SUITE_OR_NAME",

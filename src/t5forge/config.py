@@ -102,6 +102,9 @@ class DataConfig:
     task_mixing_cap: int | None = None  # examples_proportional: None, no cap
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # train.trackers (train/trackers.py)
+
+
 def check_stop_signals(names: list[str]) -> list[signal.Signals]:
     """train.stop_signals as signals (SIGTERM, TERM, ...), or a ConfigError naming the unknown or uncatchable one."""
     found = []
@@ -147,6 +150,10 @@ class TrainConfig:
     # Signals that stop the run at the next step boundary with a checkpoint, exit status 128 + the signal's
     # number (train/preemption.py); []: every signal keeps its default action.
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # Where the logged values go besides metrics.jsonl: tensorboard | wandb | mlflow (train/trackers.py;
+    # wandb and mlflow are extras), under the project (W&B project, MLflow experiment) tracker_project.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tracker_project: str = "t5forge"
 
 
 @dataclass
@@ -459,6 +466,9 @@ def check_config(run: RunConfig) -> None:
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     check_stop_signals(t.stop_signals)
+    unknown = [name for name in t.trackers if name not in TRACKERS]
+    if unknown or len(set(t.trackers)) != len(t.trackers):
+        raise ConfigError(f"train.trackers={list(t.trackers)}: each once, from {list(TRACKERS)}")
     batch_arithmetic(t.global_batch_size, t.micro_batch_size, run.parallel.dp)
     o = run.optim
     if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or len(o.betas) != 2:

@@ -39,7 +39,7 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
 
     config, run_dir = config_file("run"), tmp_path / "run"
     started = time.monotonic()
-    with LocalSlurm() as slurm:
+    with LocalSlurm(keep_logs=tmp_path / "slurm-logs") as slurm:
         setup_s = time.monotonic() - started
         for key, value in slurm.env.items():
             monkeypatch.setenv(key, value)
@@ -68,12 +68,12 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
             # until it runs (an update that lands while the old start is still completing is overridden).
             deadline = time.monotonic() + 240
             while slurm.job(job)["JobState"] == "PENDING":
-                assert time.monotonic() < deadline, slurm.job(job)
+                assert time.monotonic() < deadline, (slurm.job(job), slurm.log_tails())
                 slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
                 time.sleep(2)
         final = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout_s=300)
         log = (run_dir / "slurm" / f"t5forge-{job}.out").read_text()
-        assert final["JobState"] == "COMPLETED" and final["Restarts"] == "2", (final, log[-3000:])
+        assert final["JobState"] == "COMPLETED" and final["Restarts"] == "2", (final, log[-3000:], slurm.log_tails())
 
         # Bad input, one line and exit 2 each: a partition that Slurm does not have, a malformed time.
         for bad, message in ((["--partition", "nosuch"], "sbatch refused"), (["--time", "soon"], "not a Slurm time")):

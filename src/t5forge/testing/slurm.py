@@ -47,8 +47,8 @@ class LocalSlurm:
     """The cluster (entered: started and idle; left: every job cancelled, the daemons stopped, the directory
     removed). `env` is the environment the clients need (SLURM_CONF); `run` runs one of them with it."""
 
-    def __init__(self, kill_wait_s: int = 30):
-        self.kill_wait_s = kill_wait_s
+    def __init__(self, kill_wait_s: int = 30, keep_logs: Path | None = None):
+        self.kill_wait_s, self.keep_logs = kill_wait_s, keep_logs  # keep_logs: the daemons' logs copied there
         self.dir = Path(tempfile.mkdtemp(prefix="t5forge-slurm-"))
         self.node = socket.gethostname()
         self.env = {**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf")}
@@ -141,7 +141,13 @@ class LocalSlurm:
                 except subprocess.TimeoutExpired:
                     daemon.kill()
                     daemon.wait()
+        if self.keep_logs is not None:
+            shutil.copytree(self.dir / "log", self.keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The last lines of slurmctld's and slurmd's logs (for a test's failure message)."""
+        return "\n".join(f"{name}: {_tail(self.dir / 'log' / name, lines)}" for name in ("slurmctld.log", "slurmd.log"))
 
 
 def _tail(log: Path, lines: int = 5) -> str:

@@ -245,8 +245,9 @@ def plan_run(run: RunConfig, world_size: int) -> RunPlan:
 # checkpoints or metrics can be there without it.
 # ".lock" (train/run_lock.py) is taken first, so a run stopped before anything else is still a run; `t5forge
 # slurm` writes slurm/ (the job script and output) before the job starts.
+RUN_INFO = "run_info.json"  # what the run is, as data (Trainer.run_info): read by `t5forge report`
 RUN_DIR_MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "mixture-cache", "comm_audit.json", "lock",
-                   "slurm")
+                   "slurm", RUN_INFO)
 
 
 def check_output_dir(path: Path, overwrite: bool = False) -> None:

@@ -219,4 +219,4 @@ class PlotHook(Hook):
             self.echo(f"loss curve: {png}")
 
     def on_exception(self, error: BaseException) -> None:
-        self.writer.close()
+        self.writer.close(failed=True)

@@ -142,27 +142,30 @@ class StepMetrics:
 
 
 class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl and writes TensorBoard scalars; prints lines."""
+    """Appends records to RUN_DIR/metrics.jsonl, hands them to the experiment trackers (train/trackers.py:
+    TensorBoard, W&B, MLflow) and prints lines."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, echo=print, enabled: bool = True,
-                 resumed_at: int | None = None, evaluations_redone: bool = False):
+    def __init__(self, run_dir: Path, trackers: list[str] = ("tensorboard",), echo=print, enabled: bool = True,
+                 resumed_at: int | None = None, evaluations_redone: bool = False, config: dict | None = None,
+                 info: dict | None = None, project: str = "t5forge"):
         """enabled=False (ranks other than 0): write and print nothing. A run that starts at iteration
         `resumed_at` (a checkpoint's, or 0 after a crash before the first one) continues the logs from there
-        (see continue_from); `evaluations_redone`: the evaluations of that iteration run again."""
+        (see continue_from); `evaluations_redone`: the evaluations of that iteration run again. `config`,
+        `info` (the run config and Trainer.run_info) and `project` are for the trackers."""
         self.path = run_dir / "metrics.jsonl"
         self.echo = echo
         self.enabled = enabled
-        self.tb = None
+        self.trackers = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            logged_through = max((r["iteration"] for r in read_records(self.path)[0]), default=0)
             if resumed_at is not None:
                 self.continue_from(resumed_at, evaluations_redone)
-        if tensorboard and enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            if trackers:
+                from t5forge.train.trackers import Trackers
 
-            # purge_step: TensorBoard hides the events from that step on that the earlier attempt wrote.
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                    purge_step=None if resumed_at is None else resumed_at + 1)
+                self.trackers = Trackers(list(trackers), run_dir, config or {}, info, project, resumed_at,
+                                         logged_through)
 
     def continue_from(self, iteration: int, evaluations_redone: bool) -> None:
         """Drop (atomically) the records logged after the checkpoint the run resumed from: they are logged
@@ -191,25 +194,42 @@ class MetricsWriter:
     def write(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
             return
+        if self.trackers is not None:  # first: a tracker never misses what metrics.jsonl holds (see Trackers.log)
+            self.trackers.log(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            step = record["iteration"]
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(key, value, step)
         if line is not None:
             self.echo(line)
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, failed: bool = False) -> None:
+        if self.trackers is not None:
+            self.trackers.close(failed)
+            self.trackers = None
 
 
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """metrics.jsonl's records, and the number of its lines that are none (torn by a crash, or damaged): the
+    lenient reading of a resumed run's writer and of `t5forge report`."""
+    if not path.is_file():
+        return [], 0
+    records, skipped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            int(record["iteration"])
+        except (ValueError, KeyError, TypeError):
+            skipped += 1
+            continue
+        records.append(record)
+    return records, skipped
 
 
 def matplotlib_missing() -> str | None:

@@ -34,7 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from t5forge.config import ParallelConfig, RunConfig, load_config, to_yaml
+from t5forge.config import ParallelConfig, RunConfig, config_as_dict, load_config, to_yaml
 from t5forge.data.loader import build_loader
 from t5forge.errors import ConfigError
 from t5forge.fileio import write_text_atomic
@@ -54,7 +54,7 @@ from t5forge.parallel.vocab_parallel import rows_per_rank, shards_vocabulary_ove
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.preemption import RunStopped, StopSignals
 from t5forge.train.run_lock import RunLock
-from t5forge.train.build import build_data, build_model, comm_layout, fused_head_loss, plan_run
+from t5forge.train.build import RUN_INFO, build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
 from t5forge.train.evaluate import evaluate
 from t5forge.train.forward import compute_context, model_inputs, scalar
@@ -92,6 +92,7 @@ class Trainer:
         # Every check that needs no process group first, on every rank: a refused run starts nothing.
         self.plan = plan_run(run, world_size_from_env())
         self.options, self.parallel, self.precision = run.train, run.parallel, run.precision.dtype
+        self.config_dict = config_as_dict(run)  # (what the experiment trackers record)
         self.run_dir = Path(run.train.output_dir)
         self.mesh = build_mesh(run.parallel)  # before the fake mode: the mesh reads its ranks from real tensors
         self.echo = echo if self.mesh.is_main else (lambda *_: None)
@@ -111,7 +112,8 @@ class Trainer:
             start = time.perf_counter()
             self.model = build_model(run, self.plan.model_config, self.mesh, self.plan.pp_layers,
                                      fake=dry_run if isinstance(dry_run, FakeTensorMode) else None)
-            self.description = self.describe(run.model.preset or run.model.path, time.perf_counter() - start)
+            self.model_name = str(run.model.preset or run.model.path)
+            self.description = self.describe(self.model_name, time.perf_counter() - start)
             if self.data is not None and run.data.packing and \
                     self.model_config.decoder_start_token_id != self.data.tokenizer.pad_id:
                 raise ConfigError(f"data.packing starts each packed target with the pad id "
@@ -265,6 +267,24 @@ class Trainer:
                          f"stages, blocks per stage {plan.pp_layers}\n"
                          + describe_split(self.model_config, plan.pp_layers, plan.inputs_length, plan.targets_length))
         return "\n".join(lines)
+
+    def run_info(self) -> dict:
+        """What the run is, as data (RUN_DIR/run_info.json; the report and the experiment trackers show it): the
+        model and its parameters by part, the model state memory, the layout and the batch arithmetic."""
+        s, plan = summarize(self.model_config), self.plan
+        c = self.model_config
+        return {"model": self.model_name, "variant": s.variant, "model_type": s.model_type,
+                "parameters": {"total": s.parameters, "embedding": s.embedding, "encoder": s.encoder,
+                               "decoder": s.decoder, "lm_head": s.lm_head},
+                "architecture": {"vocab_size": c.vocab_size, "d_model": c.d_model, "d_ff": c.d_ff, "d_kv": c.d_kv,
+                                 "num_heads": c.num_heads, "num_layers": c.num_layers,
+                                 "num_decoder_layers": c.num_decoder_layers},
+                "model_state_gib": s.training_gib(mixed_precision=self.precision != "fp32"),
+                "layout": self.layout(), "precision": self.precision, "device": str(self.device),
+                "batch": {"global": plan.global_batch_size, "micro": plan.micro_batch_size, "dp": self.mesh.dp_size,
+                          "accumulation": plan.accumulation, "inputs_length": plan.inputs_length,
+                          "targets_length": plan.targets_length, "tokens_per_sample": plan.tokens_per_sample},
+                "max_steps": plan.max_steps, "pp_layers": plan.pp_layers, "torch": torch.__version__}
 
     def gradient_clipping(self, max_norm: float) -> Callable:
         """clip_grad_norm over this layout: the squares of the gradient norm add up over the ranks among
@@ -540,8 +560,11 @@ def default_hooks(trainer: Trainer, tensorboard: bool = True,
     evaluation by generation, which may use the HF export), then the loss plot, in that order."""
     state, is_main = trainer.state, trainer.mesh.is_main
     # A run restarted at step 0 drops what an attempt killed before its first checkpoint logged.
-    writer = MetricsWriter(trainer.run_dir, tensorboard=tensorboard, echo=trainer.echo, enabled=is_main,
-                           resumed_at=state.step, evaluations_redone=state.step in (0, trainer.max_steps))
+    trackers = [name for name in trainer.options.trackers if tensorboard or name != "tensorboard"]
+    writer = MetricsWriter(trainer.run_dir, trackers=trackers, echo=trainer.echo, enabled=is_main,
+                           resumed_at=state.step, evaluations_redone=state.step in (0, trainer.max_steps),
+                           config=trainer.config_dict, info=trainer.run_info() if is_main and trackers else None,
+                           project=trainer.options.tracker_project)
     plan = trainer.plan
     log = LogHook(writer, state, echo=trainer.echo, device=trainer.device,
                   compute_dtype=COMPUTE_DTYPES[trainer.precision], global_batch_size=plan.global_batch_size,
@@ -568,6 +591,7 @@ def train(run: RunConfig, echo=print, tensorboard: bool = True,
         if trainer.mesh.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(trainer.run_dir / "config.yaml", to_yaml(run))
+            write_text_atomic(trainer.run_dir / RUN_INFO, json.dumps(trainer.run_info(), indent=1))
         trainer.run_training(default_hooks(trainer, tensorboard=tensorboard, extra=extra_hooks))
     return trainer
 
