@@ -14,7 +14,7 @@ TORCH_FLOOR := 2.8.0
 FLOOR_VENV := .venv-floor
 DOCS_INSTALLED := $(VENV)/.docs-installed
 
-.PHONY: install test test-e2e test-floor demo docs clean slurm-deps
+.PHONY: install test test-e2e test-floor demo docs clean slurm-deps browser-deps
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ slurm-deps:
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES)) >/dev/null \
 		&& echo "slurm: installed $(SLURM_PACKAGES)" || echo "slurm: apt-get could not install $(SLURM_PACKAGES)"; \
 	else echo "slurm: not installed (needs root and apt-get: apt-get install $(SLURM_PACKAGES))"; fi
+
+# The report's browser test (tests/report) opens pages in the system's Chromium through Playwright, which cannot
+# download a browser of its own here: Debian's chromium, as root with apt; elsewhere the test says why it skips.
+browser-deps:
+	@if command -v chromium >/dev/null 2>&1; then echo "chromium: installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null \
+		&& echo "chromium: installed" || echo "chromium: apt-get could not install chromium"; \
+	else echo "chromium: not installed (needs root and apt-get: apt-get install chromium)"; fi
 
 $(FLOOR_VENV)/.installed: pyproject.toml
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)

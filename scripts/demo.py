@@ -21,6 +21,7 @@ from pathlib import Path
 DATA = Path("runs/demo-data")
 RUN = Path("runs/demo")
 FINETUNE_RUN = Path("runs/demo-finetune")
+REPORT = Path("runs/demo-report.html")
 T5FORGE = [sys.executable, "-m", "t5forge"]
 
 
@@ -93,10 +94,12 @@ def main() -> None:
     shutil.rmtree(FINETUNE_RUN, ignore_errors=True)
     step("finetune", "configs/demo-finetune.yaml")
     show_finetuning()
+    step("report", str(RUN), str(FINETUNE_RUN), "--output", str(REPORT))
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     print(f"run directory: {RUN}/ (metrics.jsonl, config.yaml, checkpoints/, tensorboard/)")
     print(f"loss curve:    {RUN / 'loss_curve.png'}")
     print(f"HF export:     {RUN / 'hf'}/ (transformers.AutoModelForSeq2SeqLM / AutoTokenizer load it)")
+    print(f"report:        {REPORT} (open it in a browser: pretraining and fine-tuning on one page)")
     print(f"fine-tuned:    {FINETUNE_RUN}/ (predictions/, metrics.jsonl; best model in {FINETUNE_RUN / 'best'})")
 
 

@@ -7,6 +7,7 @@ shown are those of metrics.jsonl, every chart drawn; a screenshot is saved. Bad 
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import statistics
@@ -19,12 +20,11 @@ from t5forge.cli import main
 from t5forge.config import load_config, to_yaml
 from t5forge.testing.browser import open_page, unavailable_reason
 from t5forge.train.metrics import read_metrics
+from t5forge.train.finetune import finetune
 from t5forge.train.trainer import Trainer, default_hooks, train
 
-TINY_MODEL = [
-    "model.preset=t5-v1_1-small", "model.overrides.d_model=32", "model.overrides.d_ff=48", "model.overrides.d_kv=8",
-    "model.overrides.num_heads=4", "model.overrides.num_layers=2", "model.overrides.num_decoder_layers=1",
-]
+SHRINK = ["model.overrides.d_model=32", "model.overrides.d_ff=48", "model.overrides.d_kv=8",
+          "model.overrides.num_heads=4", "model.overrides.num_layers=2", "model.overrides.num_decoder_layers=1"]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -36,32 +36,43 @@ def crash() -> None:
     raise Crash
 
 
-def run_config(out: Path, dataset_prefix, tokenizer_dir, name: str, *overrides):
-    return load_config(None, [
-        *TINY_MODEL, f"data.dataset={dataset_prefix}", f"data.tokenizer={tokenizer_dir}", "data.inputs_length=64",
-        "data.num_workers=0", f"train.output_dir={out / name}", "train.micro_batch_size=4", "train.max_steps=6",
-        "train.log_period=1", "train.eval_period=3", "train.eval_samples=8", "train.save_period=4",
-        "train.export_hf=false", "optim.lr=3e-3", "optim.warmup_steps=2", *overrides])
+def demo_config(out: Path, dataset_prefix, tokenizer_dir, name: str, *overrides):
+    """`make demo`'s pretraining config (configs/demo.yaml), shrunk to seconds."""
+    return load_config(REPO / "configs" / "demo.yaml", [
+        *SHRINK, "model.overrides.vocab_size=2176", f"data.dataset={dataset_prefix}", f"data.tokenizer={tokenizer_dir}",
+        "data.inputs_length=64", "data.num_workers=0", f"train.output_dir={out / name}", "train.micro_batch_size=4",
+        "train.global_batch_size=4", "train.max_steps=6", "train.log_period=1", "train.eval_period=3",
+        "train.eval_samples=8", "train.save_period=4", "optim.warmup_steps=2", *overrides])
 
 
 @pytest.fixture(scope="module")
 def runs(dataset_prefix, tokenizer_dir, tmp_path_factory):
+    """The demo's two runs (pretraining, crashed after step 5 and resumed, with every tracker; fine-tuning of
+    its export) and an mT5-vocabulary run."""
     out = tmp_path_factory.mktemp("report")
-    saved = {key: os.environ.get(key) for key in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "WANDB_DIR")}
+    saved = {key: os.environ.get(key) for key in ("WANDB_MODE", "MLFLOW_TRACKING_URI")}
     os.environ["WANDB_MODE"] = "offline"  # never the network, whatever the machine's login
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # the default: a file store beside the run directory
     try:
-        common = ["model.overrides.vocab_size=2176", "train.trackers=[tensorboard,wandb,mlflow]",
-                  "train.comm_audit=true", "train.tracker_project=report-test"]
-        t5 = run_config(out, dataset_prefix, tokenizer_dir, "t5", *common)
+        t5 = demo_config(out, dataset_prefix, tokenizer_dir, "t5", "train.trackers=[tensorboard,wandb,mlflow]",
+                         "train.comm_audit=true", "train.tracker_project=report-test")
         crashed = Trainer(t5, echo=lambda *_: None)
         (crashed.run_dir / "config.yaml").write_text(to_yaml(t5))  # as train() writes it
         with crashed, pytest.raises(Crash):
             crashed.run_training(default_hooks(crashed) + [AtStep(5, crash)])
         first_ids = json.loads((out / "t5" / "trackers.json").read_text())
         train(t5, echo=lambda *_: None)  # resumes from step 4
-        train(run_config(out, dataset_prefix, tokenizer_dir, "mt5", "model.overrides.vocab_size=250112",
-                         "train.max_steps=3", "train.trackers=[]"), echo=lambda *_: None)
+        from t5forge.data.corpus import python_docstring_task
+
+        (out / "task.jsonl").write_text("".join(json.dumps(p) + "\n" for p in python_docstring_task(target="module")[:80]))
+        finetune(load_config(REPO / "configs" / "demo-finetune.yaml", [
+            f"model.path={out / 't5'}", f"data.tokenizer={tokenizer_dir}", f"data.train_file={out / 'task.jsonl'}",
+            "data.num_workers=0",
+            f"train.output_dir={out / 'finetune'}", "train.micro_batch_size=8", "train.global_batch_size=8",
+            "train.max_steps=4", "train.log_period=1", "train.eval_period=2", "train.eval_samples=8",
+            "optim.warmup_steps=1", "train.trackers=[]"]), echo=lambda *_: None)
+        train(demo_config(out, dataset_prefix, tokenizer_dir, "mt5", "model.overrides.vocab_size=250112",
+                          "train.max_steps=3", "train.trackers=[]"), echo=lambda *_: None)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -116,10 +127,11 @@ def test_trackers_hold_every_value_once_across_a_resume(runs):
     assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == sorted(losses.items())
 
 
-def test_report_of_two_runs_in_a_browser_shows_the_numbers_of_metrics_jsonl(runs, tmp_path, capsys):
+def test_report_of_the_demo_runs_in_a_browser_shows_the_numbers_of_metrics_jsonl(runs, tmp_path, capsys):
+    """The demo's report (`make demo` writes it for its two runs), with the mT5-vocabulary run beside them."""
     out, _ = runs
     output = tmp_path / "report.html"
-    assert main(["report", str(out / "t5"), str(out / "mt5"), "--output", str(output)]) == 0
+    assert main(["report", str(out / "t5"), str(out / "finetune"), str(out / "mt5"), "--output", str(output)]) == 0
     captured = capsys.readouterr()
     assert "different models" in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
     text = output.read_text()
@@ -133,7 +145,7 @@ def test_report_of_two_runs_in_a_browser_shows_the_numbers_of_metrics_jsonl(runs
     assert page.drawn == page.charts >= 9, (page.drawn, page.charts)
     assert screenshot.stat().st_size > 10_000
     shown = {(cell["run"], cell["key"]): cell["text"] for cell in page.attributes["td[data-key]"]}
-    for name in ("t5", "mt5"):
+    for name in ("t5", "finetune", "mt5"):
         records = read_metrics(out / name / "metrics.jsonl")
         train_records = [r for r in records if "loss" in r]
         steady = train_records[1:]
@@ -145,7 +157,14 @@ def test_report_of_two_runs_in_a_browser_shows_the_numbers_of_metrics_jsonl(runs
         for key, value in expected.items():
             assert float(shown[(name, key)]) == pytest.approx(value, rel=1e-3), (name, key, shown[(name, key)])
         assert shown[(name, "iteration")].split(" / ")[0] == str(train_records[-1]["iteration"])
-    assert "mT5" in text or "250112" in text
+    assert "vocabulary 250112" in text
+    # The fine-tuning scores per evaluation and the predictions of the best iteration, as the run wrote them.
+    best = json.loads((out / "finetune" / "best" / "best.json").read_text())
+    predictions = (out / "finetune" / "predictions" / f"iter_{best['iteration']:07d}.jsonl").read_text().splitlines()
+    assert f"sample predictions at iteration {best['iteration']} ({min(20, len(predictions))} of " \
+           f"{len(predictions)})" in text
+    first = json.loads(predictions[0])
+    assert html.escape(first["prediction"]) in text and html.escape(first["input"][:60]) in text
 
 
 def test_bad_input_and_partial_runs_are_one_line_or_a_notice(runs, tmp_path, capsys):

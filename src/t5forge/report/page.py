@@ -356,7 +356,7 @@ def runs_page(runs: list[Run]) -> tuple[str, list[str]]:
     """The page of `runs` (one, or several overlaid and compared), and its notices (also shown in the page)."""
     figures = Figures()
     notices = [f"{run.name}: {n}" for run in runs for n in run.notices]
-    models = {run.model for run in runs}
+    models = {run.architecture for run in runs}
     if len(models) > 1:
         notices.append("the runs are of different models (" + "; ".join(sorted(models)) + "): losses compare "
                        "only where their vocabularies and tasks do")

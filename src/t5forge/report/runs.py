@@ -74,6 +74,15 @@ class Run:
         model = self.config.get("model", {})
         return str(model.get("preset") or model.get("path") or "?")
 
+    @property
+    def architecture(self) -> str:
+        """What makes two runs' models the same (a fine-tuning of a run's export is of the same model)."""
+        if self.info is None:
+            return self.model
+        a = self.info["architecture"]
+        return (f"{self.info['variant']}, vocabulary {a['vocab_size']}, d_model {a['d_model']}, "
+                f"{a['num_layers']}+{a['num_decoder_layers']} layers")
+
     def steady(self) -> list[dict]:
         """The training records after warm-up: the first log period (compilation, loader workers starting)
         and a first step that compiled do not predict the rest. All of them when there is no other."""
