@@ -214,3 +214,6 @@ def test_tracker_names_and_missing_packages_are_one_line(runs, tmp_path, monkeyp
     with pytest.raises(ConfigError, match=r"mlflow, which is not installed: pip install 'mlflow-skinny'"):
         Trackers(["tensorboard", "mlflow"], tmp_path, {}, None, "p", 0, 0)
     assert not (tmp_path / "tensorboard").exists()  # nothing opened before the refusal
+    run_dir = tmp_path / "refused"
+    assert main(["train", str(config), "train.trackers=[mlflow]", f"train.output_dir={run_dir}"]) == 2
+    assert not run_dir.exists()  # refused before anything was written

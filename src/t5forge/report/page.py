@@ -13,6 +13,9 @@ from pathlib import Path
 from t5forge.errors import ConfigError
 from t5forge.report.runs import Run, config_differences, median_of, tokens_seen
 
+# One colour per run in every chart (plotly's default qualitative palette).
+COLOURS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff",
+           "#fecb52")
 SMOOTHING = 0.6  # TensorBoard's default: an exponential moving average, debiased at the start
 PREDICTIONS_SHOWN = 20
 CSS = """
@@ -27,8 +30,15 @@ text-align:right;vertical-align:top}th{background:#eef1f5}td.text,th.text{text-a
 .notice{background:#fff6dc;border:1px solid #e9cf7a;padding:6px 10px;border-radius:4px;margin:6px 0;font-size:14px}
 .bad{color:#b3261e;font-weight:600}.good{color:#1b7f3b}pre{background:#f3f4f7;padding:8px;overflow:auto;
 font-size:12px;max-height:420px}.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(460px,1fr));gap:8px}
+.grid>div{min-width:0}
 details summary{cursor:pointer;font-weight:600;margin:6px 0}
 """
+
+
+# Each chart is drawn as its div is parsed, before the grid around it has its final widths: fit them once the
+# page has loaded (plotly's `responsive` follows later window resizes only).
+RESIZE = ("<script>window.addEventListener('load',()=>document.querySelectorAll('.plotly-graph-div')"
+          ".forEach(d=>Plotly.Plots.resize(d)));</script>")
 
 
 def _e(value) -> str:
@@ -156,18 +166,21 @@ def _summary_rows(runs: list[Run]) -> tuple[list[list], list[list[str]]]:
 
 def _loss_section(runs: list[Run], figures: Figures) -> str:
     by_step, by_tokens = [], []
-    for run in runs:
+    for i, run in enumerate(runs):
+        colour = COLOURS[i % len(COLOURS)]
         x, y = _column(run.train, "loss")
         tokens = [tokens_seen(r) for r in run.train]
-        by_step += [(f"{run.name} train", x, smooth(y), {}),
-                    (f"{run.name} train (raw)", x, y, {"opacity": 0.35, "line": {"width": 1}})]
-        by_tokens += [(f"{run.name} train", tokens, smooth(y), {}),
-                      (f"{run.name} train (raw)", tokens, y, {"opacity": 0.35, "line": {"width": 1}})]
+        raw = {"opacity": 0.3, "line": {"width": 1, "color": colour}}
+        by_step += [(f"{run.name} train", x, smooth(y), {"line": {"color": colour}}),
+                    (f"{run.name} train (raw)", x, y, dict(raw))]
+        by_tokens += [(f"{run.name} train", tokens, smooth(y), {"line": {"color": colour}}),
+                      (f"{run.name} train (raw)", tokens, y, dict(raw))]
         vx, vy = _column(run.validation, "valid_loss")
         if vx:
-            by_step.append((f"{run.name} valid", vx, vy, {"mode": "lines+markers"}))
+            valid = {"mode": "lines+markers", "line": {"color": colour, "dash": "dash"}}
+            by_step.append((f"{run.name} valid", vx, vy, dict(valid)))
             valid_tokens = [tokens_seen(_nearest_train(run, r["iteration"])) for r in run.validation]
-            by_tokens.append((f"{run.name} valid", valid_tokens, vy, {"mode": "lines+markers"}))
+            by_tokens.append((f"{run.name} valid", valid_tokens, vy, dict(valid)))
     note = (f"<p>Smoothed: exponential moving average (weight {SMOOTHING}, debiased); raw values faint. Tokens: "
             "inputs + targets consumed (consumed samples x tokens per sample).</p>")
     return ("<section id='loss'><h2>Loss</h2>" + note + "<div class='grid'>"
@@ -183,10 +196,11 @@ def _nearest_train(run: Run, iteration: int) -> dict:
 
 def _optimization_section(runs: list[Run], figures: Figures) -> str:
     lr, grad, skipped = [], [], []
-    for run in runs:
-        lr.append((run.name, *_column(run.train, "lr"), {}))
-        grad.append((run.name, *_column(run.train, "grad_norm"), {}))
-        skipped.append((run.name, *_column(run.train, "skipped_steps"), {"line": {"shape": "hv"}}))
+    for i, run in enumerate(runs):
+        colour = COLOURS[i % len(COLOURS)]
+        lr.append((run.name, *_column(run.train, "lr"), {"line": {"color": colour}}))
+        grad.append((run.name, *_column(run.train, "grad_norm"), {"line": {"color": colour}}))
+        skipped.append((run.name, *_column(run.train, "skipped_steps"), {"line": {"shape": "hv", "color": colour}}))
     nonfinite = [(run.name, r["iteration"]) for run in runs for r in run.train
                  if isinstance(r.get("loss"), float) and not math.isfinite(r["loss"])]
     notes = "".join(f"<div class='notice'>{_e(name)}: a non-finite loss at iteration {i}</div>"
@@ -206,14 +220,15 @@ def _throughput_section(runs: list[Run], figures: Figures) -> str:
                                     ("mfu", "model FLOPs utilization", "MFU %", 100),
                                     ("mem_mib", "peak memory (most loaded rank)", "MiB", 1)):
         series = []
-        for run in runs:
+        for i, run in enumerate(runs):
+            colour = COLOURS[i % len(COLOURS)]
             x, y = _column(run.train, key)
             y = [None if v is None else v * scale for v in y]
-            series.append((run.name, x, y, {"mode": "lines+markers"}))
+            series.append((run.name, x, y, {"mode": "lines+markers", "line": {"color": colour}}))
             median = median_of(run.steady(), key)
             if median is not None and x:
                 series.append((f"{run.name} median (warm-up excluded)", [x[0], x[-1]], [median * scale] * 2,
-                               {"line": {"dash": "dot"}}))
+                               {"line": {"dash": "dot", "color": colour}}))
         charts.append(figures.lines(series, title, "iteration", unit))
     return ("<section id='throughput'><h2>Throughput, MFU and memory</h2><p>Medians exclude the first log period "
             "(compilation, loader start-up).</p><div class='grid'>" + "".join(charts) + "</div></section>")
@@ -349,7 +364,8 @@ def _page(title: str, subtitle: str, notices: list[str], sections: list[str], na
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{_e(title)}</title>"
             f"<style>{CSS}</style>{figures.script() if figures and figures.count else ''}</head><body>"
             f"<header><h1>{_e(title)}</h1><p>{_e(subtitle)}</p></header><nav>{links}</nav><main>"
-            f"<div id='notices'>{notice_html}</div>{''.join(sections)}</main></body></html>")
+            f"<div id='notices'>{notice_html}</div>{''.join(sections)}</main>{RESIZE if figures and figures.count else ''}"
+            "</body></html>")
 
 
 def runs_page(runs: list[Run]) -> tuple[str, list[str]]:

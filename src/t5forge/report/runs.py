@@ -16,6 +16,7 @@ from t5forge.errors import ConfigError
 from t5forge.train.build import RUN_INFO
 from t5forge.train.checkpoint import checkpoint_problems
 from t5forge.train.metrics import read_records
+from t5forge.train.trackers import flatten
 
 # What an evaluation by the trainer logs; a fine-tuning evaluation logs valid_<metric> besides.
 VALIDATION_KEYS = ("valid_loss", "valid_perplexity", "valid_accuracy")
@@ -175,18 +176,6 @@ def load_run(path: str | Path, verify_checksums: bool = True) -> Run:
 
 def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / marker).exists() for marker in ("config.yaml", "metrics.jsonl"))
-
-
-def flatten(config: dict, prefix: str = "") -> dict[str, object]:
-    """{"train.max_steps": 6, ...}: a nested config as dotted keys (its `key=value` override names)."""
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
 
 
 def config_differences(runs: list[Run]) -> list[tuple[str, list]]:

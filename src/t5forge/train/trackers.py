@@ -37,6 +37,7 @@ def _numbers(record: dict) -> dict[str, float]:
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    """{"train.max_steps": 6, ...}: a nested config as dotted keys (its `key=value` override names)."""
     out = {}
     for key, value in config.items():
         if isinstance(value, dict) and value:
@@ -138,12 +139,22 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
+def check_installed(names: list[str]) -> None:
+    """A ConfigError naming the package of the first tracker of `names` that is not installed (a run checks
+    before it writes anything)."""
+    for name in names:
+        if name != "tensorboard":
+            _import_or_explain(name)
+
+
 def _import_or_explain(name: str) -> None:
-    import importlib
+    import importlib.util
 
     try:
-        importlib.import_module(name)
-    except ImportError:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # (a module set to None in sys.modules: not importable)
+        found = False
+    if not found:
         raise ConfigError(f"train.trackers has {name}, which is not installed: pip install '{PACKAGES[name]}' (or "
                           f"pip install 't5forge[trackers]'), or remove {name} from train.trackers") from None
 
@@ -164,9 +175,7 @@ class Trackers:
     def __init__(self, names: list[str], run_dir: Path, config: dict, info: dict | None, project: str,
                  resumed_at: int | None, logged_through: int):
         assert set(names) <= set(TRACKERS), names  # (the config checked them)
-        for name in names:
-            if name != "tensorboard":
-                _import_or_explain(name)
+        check_installed(names)
         _quiet_environment("mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI"))
         self.logged_through = logged_through
         state_path = run_dir / STATE_FILE

@@ -54,6 +54,7 @@ from t5forge.parallel.vocab_parallel import rows_per_rank, shards_vocabulary_ove
 from t5forge.train import checkpoint as ckpt
 from t5forge.train.preemption import RunStopped, StopSignals
 from t5forge.train.run_lock import RunLock
+from t5forge.train.trackers import check_installed as check_trackers_installed
 from t5forge.train.build import RUN_INFO, build_data, build_model, comm_layout, fused_head_loss, plan_run
 from t5forge.train.divergence import DivergenceGuard
 from t5forge.train.evaluate import evaluate
@@ -101,6 +102,7 @@ class Trainer:
         try:
             resume_from, self.checkpoints, self.data = None, None, None
             if dry_run is None:  # a real run
+                check_trackers_installed(run.train.trackers if self.mesh.is_main else [])  # (rank 0 logs)
                 ckpt.on_rank_zero(self.lock_run_dir)  # before anything is written; every rank hears a refusal
                 self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
                 resume_from = self.checkpoints.resume_point()
