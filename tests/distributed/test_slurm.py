@@ -64,13 +64,17 @@ def test_a_slurm_job_preempted_twice_requeues_resumes_and_completes(tmp_path, da
             trials.append({"preempted_by": " ".join(preempt[:2]), "after_iteration": at,
                            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")),
                            "restarts": pending["Restarts"]})
-            # A requeued job waits 2 minutes before it may start again (Slurm's own delay): start it now, again
-            # until it runs (an update that lands while the old start is still completing is overridden).
+            # A requeued job waits before it may start again (Slurm's own delay): let it start in a few seconds,
+            # once the node has cleaned up the old start. Not at once: slurmd refuses a start whose credential is
+            # not newer than the old one's revocation ("Job credential revoked": the job FAILS).
             deadline = time.monotonic() + 240
             while slurm.job(job)["JobState"] == "PENDING":
                 assert time.monotonic() < deadline, (slurm.job(job), slurm.log_tails())
-                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-                time.sleep(2)
+                if slurm.run(["sinfo", "-h", "-o", "%T"]).stdout.strip() == "idle":
+                    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=False)
+                    time.sleep(8)
+                else:
+                    time.sleep(0.5)
         final = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout_s=300)
         log = (run_dir / "slurm" / f"t5forge-{job}.out").read_text()
         assert final["JobState"] == "COMPLETED" and final["Restarts"] == "2", (final, log[-3000:], slurm.log_tails())
