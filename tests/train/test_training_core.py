@@ -160,8 +160,9 @@ def test_a_failing_run_tells_every_hook_and_closes_the_metrics_writer(tmp_path, 
     with Trainer(run_config(tmp_path, dataset_prefix, tokenizer_dir, "train.max_steps=4"),
                  echo=lambda *_: None) as trainer:
         hooks = [*default_hooks(trainer, tensorboard=True), AtStep(2, crash), witness]
+        plot = next(h for h in hooks if isinstance(h, PlotHook))
+        (tensorboard,) = plot.writer.trackers.trackers  # the default trackers: TensorBoard alone
         with pytest.raises(RuntimeError, match="crashes at step 2"):
             trainer.run_training(hooks)
     assert [str(e) for e in witness.seen] == ["the run crashes at step 2"] and trainer.state.step == 2
-    plot = next(h for h in hooks if isinstance(h, PlotHook))
-    assert plot.writer.tb.all_writers is None  # TensorBoard's event files were closed
+    assert plot.writer.trackers is None and tensorboard.writer.all_writers is None  # its event files closed
