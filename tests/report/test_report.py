@@ -70,7 +70,7 @@ def runs(dataset_prefix, tokenizer_dir, tmp_path_factory):
             "data.num_workers=0",
             f"train.output_dir={out / 'finetune'}", "train.micro_batch_size=8", "train.global_batch_size=8",
             "train.max_steps=4", "train.log_period=1", "train.eval_period=2", "train.eval_samples=8",
-            "optim.warmup_steps=1", "train.trackers=[]"]), echo=lambda *_: None)
+            "optim.warmup_steps=1", "train.trackers=[mlflow]"]), echo=lambda *_: None)
         train(demo_config(out, dataset_prefix, tokenizer_dir, "mt5", "model.overrides.vocab_size=250112",
                           "train.max_steps=3", "train.trackers=[]"), echo=lambda *_: None)
     finally:
@@ -118,6 +118,13 @@ def test_trackers_hold_every_value_once_across_a_resume(runs):
     assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "6"
     assert client.get_experiment(run.info.experiment_id).name == "report-test"
     assert {a.path for a in client.list_artifacts(run_id)} >= {"config.json", "run_info.json"}
+
+    # The fine-tuning run's scores, its starting point (iteration 0) included.
+    tuned = json.loads((out / "finetune" / "trackers.json").read_text())["mlflow"]["run_id"]
+    scores = {r["iteration"]: r["valid_exact_match"] for r in read_metrics(out / "finetune" / "metrics.jsonl")
+              if "valid_exact_match" in r}
+    assert sorted((m.step, m.value) for m in client.get_metric_history(tuned, "valid_exact_match")) == \
+        sorted(scores.items()) and 0 in scores
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -202,11 +209,13 @@ def test_bad_input_and_partial_runs_are_one_line_or_a_notice(runs, tmp_path, cap
     assert "no such file" in capsys.readouterr().err
 
 
-def test_tracker_names_and_missing_packages_are_one_line(runs, tmp_path, monkeypatch, dataset_prefix, tokenizer_dir):
+def test_tracker_names_and_missing_packages_are_one_line(runs, tmp_path, monkeypatch, capsys):
     out, _ = runs
     config = out / "t5" / "config.yaml"
     for bad in ("train.trackers=[tensorboard,neptune]", "train.trackers=[wandb,wandb]"):
         assert main(["train", str(config), bad, f"train.output_dir={tmp_path / 'bad'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "train.trackers" in err, err
     monkeypatch.setitem(__import__("sys").modules, "mlflow", None)  # as if not installed
     from t5forge.errors import ConfigError
     from t5forge.train.trackers import Trackers

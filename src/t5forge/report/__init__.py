@@ -52,18 +52,27 @@ def write_report(paths: list[str | os.PathLike], output: str | os.PathLike | Non
     if not runs_dirs and not bench_list:
         raise ConfigError("nothing to report: pass one or more run directories, or benchmarks/ (or --bench FILE.json)")
     if runs_dirs:
+        runs_dirs = list({p.resolve(): p for p in runs_dirs}.values())  # a run given twice is shown once
         runs: list[Run] = [load_run(p, verify_checksums) for p in runs_dirs]
         names = [r.name for r in runs]
         for run in runs:  # runs of the same directory name: told apart by their parents
             if names.count(run.name) > 1:
                 run.name = f"{run.path.resolve().parent.name}/{run.name}"
+        for i, run in enumerate(runs):  # still equal: numbered
+            if [r.name for r in runs].count(run.name) > 1:
+                run.name = f"{run.name} #{i + 1}"
         text, notices = runs_page(runs)
     else:
         text, notices = bench_page(bench_list)
     for notice in notices:
         echo(f"warning: {notice}")
     target = Path(output) if output is not None else default_output(runs_dirs, bench_list)
-    write_text_atomic(target, text)
+    if target.is_dir():
+        raise ConfigError(f"--output {target} is a directory; name the HTML file to write (e.g. {target}/report.html)")
+    try:
+        write_text_atomic(target, text)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to {target} ({e.strerror}); choose another --output") from None
     echo(f"report: {target} ({target.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s)")
     return target
 

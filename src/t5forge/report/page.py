@@ -143,7 +143,7 @@ def _summary_rows(runs: list[Run]) -> tuple[list[list], list[list[str]]]:
     for run in runs:
         train, steady = run.train, run.steady()
         last = train[-1] if train else {}
-        valid = [r["valid_loss"] for r in run.validation]
+        valid = [v for r in run.validation if isinstance(v := r["valid_loss"], (int, float)) and math.isfinite(v)]
         peak = max((r["mem_mib"] for r in train if isinstance(r.get("mem_mib"), (int, float))), default=None)
         values = {
             "iteration": last.get("iteration"), "last_loss": last.get("loss"),
@@ -254,7 +254,7 @@ def _finetuning_section(runs: list[Run], figures: Figures) -> str:
                          f"{fmt(run.best.get('iteration'))} (RUN_DIR/best)</p>")
         if run.predictions:
             shown = run.predictions[:PREDICTIONS_SHOWN]
-            cells = [[_e(p.get("input", ""))[:400], _e(p.get("target", "")), _e(p.get("prediction", "")),
+            cells = [[_e(str(p.get("input", ""))[:400]), _e(p.get("target", "")), _e(p.get("prediction", "")),
                       "<span class='good'>yes</span>" if p.get("prediction") == p.get("target") else "no"]
                      for p in shown]
             parts.append(f"<h3>sample predictions at iteration {run.predictions_iteration} ({len(shown)} of "
@@ -359,7 +359,7 @@ def _checkpoint_section(runs: list[Run]) -> str:
 def _page(title: str, subtitle: str, notices: list[str], sections: list[str], nav: list[tuple[str, str]],
           figures: Figures | None) -> str:
     notice_html = "".join(f"<div class='notice'>{_e(n)}</div>" for n in notices)
-    links = "".join(f"<a href='#{anchor}'>{_e(name)}</a>" for anchor, name in nav)
+    links = "".join(f"<a href='#{_e(anchor)}'>{_e(name)}</a>" for anchor, name in nav)
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{_e(title)}</title>"
             f"<style>{CSS}</style>{figures.script() if figures and figures.count else ''}</head><body>"
@@ -428,7 +428,7 @@ def bench_page(files: list[Path]) -> tuple[str, list[str]]:
         if not isinstance(data, dict):
             notices.append(f"{file.name} holds no benchmark result (not a JSON object); skipped")
             continue
-        anchor = file.stem
+        anchor = f"{file.stem}-{len(nav)}" if any(a == file.stem for a, _ in nav) else file.stem
         nav.append((anchor, file.stem))
         context = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
         machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
@@ -443,6 +443,8 @@ def bench_page(files: list[Path]) -> tuple[str, list[str]]:
             if not rows:
                 continue
             columns = list(dict.fromkeys(k for row in rows for k in row))
+            if not columns:
+                continue
             parts.append(f"<h3>{_e(key)} ({len(rows)})</h3>"
                          + table(columns, [[_cell(row.get(c, "")) for c in columns] for row in rows],
                                  text_columns=1))

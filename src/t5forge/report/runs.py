@@ -18,6 +18,9 @@ from t5forge.train.checkpoint import checkpoint_problems
 from t5forge.train.metrics import read_records
 from t5forge.train.trackers import flatten
 
+# What the page reads of run_info.json (Trainer.run_info).
+INFO_KEYS = ("model", "variant", "parameters", "architecture", "model_state_gib", "layout", "precision", "device",
+             "batch")
 # What an evaluation by the trainer logs; a fine-tuning evaluation logs valid_<metric> besides.
 VALIDATION_KEYS = ("valid_loss", "valid_perplexity", "valid_accuracy")
 NOT_TASK_METRICS = {*VALIDATION_KEYS, "valid_generated"}
@@ -105,14 +108,19 @@ def tokens_seen(record: dict) -> float | None:
     return samples * token_rate / rate
 
 
-def _json_file(path: Path, notices: list[str]) -> dict | None:
+def _json_file(path: Path, notices: list[str], required: tuple[str, ...] = ()) -> dict | None:
+    """A JSON object of the run (None with a notice when it is not one, or lacks a `required` key)."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         notices.append(f"{path.name} is not valid JSON ({e}); not shown")
         return None
+    if not isinstance(value, dict) or any(key not in value for key in required):
+        notices.append(f"{path.name} is not what t5forge writes there (a different version, or damaged); not shown")
+        return None
+    return value
 
 
 def _checkpoints(run_dir: Path, verify: bool) -> list[Checkpoint]:
@@ -155,20 +163,25 @@ def load_run(path: str | Path, verify_checksums: bool = True) -> Run:
     if not records:
         notices.append("no metrics yet: the run has not logged a step")
     run = Run(path=run_dir, name=run_dir.resolve().name, config=config, config_text=config_text,
-              records=records, skipped_lines=skipped, info=_json_file(run_dir / RUN_INFO, notices),
-              comm_audit=_json_file(run_dir / "comm_audit.json", notices),
+              records=records, skipped_lines=skipped, info=_json_file(run_dir / RUN_INFO, notices, INFO_KEYS),
+              comm_audit=_json_file(run_dir / "comm_audit.json", notices, ("rows", "totals", "layout")),
               checkpoints=_checkpoints(run_dir, verify_checksums),
               best=_json_file(run_dir / "best" / "best.json", notices), notices=notices)
     evaluations = run.evaluations
     if evaluations:
         at = run.best["iteration"] if run.best and "iteration" in run.best else evaluations[-1]["iteration"]
         chosen = next((r for r in evaluations if r["iteration"] == at), evaluations[-1])
-        file = Path(chosen["predictions"])
+        file = Path(str(chosen["predictions"]))
         file = file if file.is_file() else run_dir / "predictions" / file.name  # a run directory moved
         if file.is_file():
             run.predictions_iteration = chosen["iteration"]
-            run.predictions = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines()
-                               if line.strip()]
+            for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    prediction = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(prediction, dict):
+                    run.predictions.append(prediction)
         else:
             notices.append(f"the predictions of iteration {chosen['iteration']} ({file.name}) are missing")
     return run

@@ -141,9 +141,11 @@ class LocalSlurm:
                 except subprocess.TimeoutExpired:
                     daemon.kill()
                     daemon.wait()
-        if self.keep_logs is not None:
-            shutil.copytree(self.dir / "log", self.keep_logs, dirs_exist_ok=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if self.keep_logs is not None:
+                shutil.copytree(self.dir / "log", self.keep_logs, dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def log_tails(self, lines: int = 15) -> str:
         """The last lines of slurmctld's and slurmd's logs (for a test's failure message)."""

@@ -158,7 +158,8 @@ class MetricsWriter:
         self.trackers = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            logged_through = max((r["iteration"] for r in read_records(self.path)[0]), default=0)
+            # -1: nothing logged yet (a fine-tuning run logs its starting point at iteration 0)
+            logged_through = max((r["iteration"] for r in read_records(self.path)[0]), default=-1)
             if resumed_at is not None:
                 self.continue_from(resumed_at, evaluations_redone)
             if trackers:
@@ -202,9 +203,9 @@ class MetricsWriter:
             self.echo(line)
 
     def close(self, failed: bool = False) -> None:
-        if self.trackers is not None:
-            self.trackers.close(failed)
-            self.trackers = None
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            trackers.close(failed)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -8,7 +8,8 @@ logged again: they give the same values (resume is bitwise), and W&B and MLflow 
 TensorBoard instead hides the old events from the resumed step on (purge_step).
 
 W&B runs offline unless WANDB_MODE says otherwise or an API key is at hand (WANDB_API_KEY, or a login in
-~/.netrc); `wandb sync RUN_DIR/wandb/offline-run-*` uploads an offline run. MLflow logs to
+~/.netrc). Offline, each attempt of a resumed run is a directory RUN_DIR/wandb/offline-run-*-ID of its own
+(the same run id): `wandb sync` them in order, the later ones with `--append`. MLflow logs to
 MLFLOW_TRACKING_URI, by default a file store `mlruns` beside the run directory (shared by the runs there).
 Neither sends usage telemetry (both would, by default)."""
 
@@ -30,10 +31,10 @@ STATE_FILE = "trackers.json"
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow-skinny"}
 
 
-def _numbers(record: dict) -> dict[str, float]:
-    """A record's finite numbers (a path or a None is not a metric)."""
-    return {k: float(v) for k, v in record.items()
-            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+def _numbers(record: dict, finite: bool = True) -> dict[str, float]:
+    """A record's numbers (a path or a None is not a metric); `finite`: without NaN and infinities."""
+    return {k: float(v) for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and (math.isfinite(v) or not finite)}
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, object]:
@@ -62,7 +63,7 @@ class TensorBoardTracker:
                 self.writer.add_text("model", "```\n" + json.dumps(info, indent=1) + "\n```", 0)
 
     def log(self, record: dict) -> None:
-        for key, value in _numbers(record).items():
+        for key, value in _numbers(record, finite=False).items():  # a diverging loss shows as NaN
             self.writer.add_scalar(key, value, record["iteration"])
 
     def close(self, failed: bool = False) -> None:
@@ -80,8 +81,9 @@ class WandbTracker:
         settings = wandb.Settings(mode=mode, silent=True, console="off", disable_git=True, disable_code=True,
                                   x_disable_stats=True, x_disable_machine_info=True, x_save_requirements=False)
         wandb.setup(settings=settings)
+        # finish_previous: a run left open in this process (an error before its close) is not continued.
         self.run = wandb.init(dir=str(run_dir), project=project, name=run_dir.name, id=run_id, resume="allow",
-                              config=config, settings=settings)
+                              config=config, settings=settings, reinit="finish_previous")
         if info is not None:
             self.run.summary.update({"model": info})
 
@@ -105,11 +107,15 @@ class MlflowTracker:
     name = "mlflow"
     PARAMS_PER_CALL, METRICS_PER_CALL = 100, 1000  # MLflow's log_batch limits
 
-    def __init__(self, run_dir: Path, config: dict, info: dict | None, run_id: str | None, project: str):
+    def __init__(self, run_dir: Path, config: dict, info: dict | None, run_id: str | None, project: str,
+                 saved_uri: str | None = None):
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir.resolve().parent / "mlruns").as_uri()
+        # A resumed run goes on in the store its run is in (unless MLFLOW_TRACKING_URI now names another).
+        self.uri = (os.environ.get("MLFLOW_TRACKING_URI") or saved_uri
+                    or (run_dir.resolve().parent / "mlruns").as_uri())
         self.client = MlflowClient(tracking_uri=self.uri)
         if run_id is None:
             experiment = self.client.get_experiment_by_name(project)
@@ -124,7 +130,12 @@ class MlflowTracker:
             if info is not None:
                 self.client.log_dict(run_id, info, "run_info.json")
         else:
-            self.client.update_run(run_id, status="RUNNING")
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+            except MlflowException as e:
+                raise ConfigError(f"MLflow run {run_id} of {run_dir / STATE_FILE} is not in {self.uri} "
+                                  f"({e.error_code}); set MLFLOW_TRACKING_URI to its store, or delete "
+                                  f"{run_dir / STATE_FILE} to start a new MLflow run") from None
         self.run_id = run_id
 
     def log(self, record: dict) -> None:
@@ -180,7 +191,10 @@ class Trackers:
         self.logged_through = logged_through
         state_path = run_dir / STATE_FILE
         # Kept across restarts of the run, a crash before its first checkpoint included.
-        state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else {}
+        try:
+            state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else {}
+        except (UnicodeDecodeError, ValueError):
+            raise ConfigError(f"{state_path} is damaged; delete it (the trackers then start new runs)") from None
         self.trackers = []
         try:
             for name in names:
@@ -190,11 +204,13 @@ class Trackers:
                     run_id = state.setdefault("wandb", {}).setdefault("id", uuid.uuid4().hex[:12])
                     self.trackers.append(WandbTracker(run_dir, config, info, run_id, project))
                 elif name == "mlflow":
-                    tracker = MlflowTracker(run_dir, config, info, state.get("mlflow", {}).get("run_id"), project)
+                    saved = state.get("mlflow", {})
+                    tracker = MlflowTracker(run_dir, config, info, saved.get("run_id"), project,
+                                            saved.get("tracking_uri"))
                     state["mlflow"] = {"run_id": tracker.run_id, "tracking_uri": tracker.uri}
                     self.trackers.append(tracker)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         if state:
             write_text_atomic(state_path, json.dumps(state, indent=1))
@@ -207,6 +223,11 @@ class Trackers:
 
     def close(self, failed: bool = False) -> None:
         """`failed`: the run ended by an error (a stop signal too: the next start continues the tracker run)."""
-        for tracker in self.trackers:
-            tracker.close(failed)
-        self.trackers = []
+        trackers, self.trackers, first_error = self.trackers, [], None
+        for tracker in trackers:  # each one closed, whatever another raises
+            try:
+                tracker.close(failed)
+            except Exception as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error

@@ -102,8 +102,8 @@ class Trainer:
         try:
             resume_from, self.checkpoints, self.data = None, None, None
             if dry_run is None:  # a real run
-                check_trackers_installed(run.train.trackers if self.mesh.is_main else [])  # (rank 0 logs)
-                ckpt.on_rank_zero(self.lock_run_dir)  # before anything is written; every rank hears a refusal
+                # Rank 0's checks (it logs, it locks), before anything is written; every rank hears a refusal.
+                ckpt.on_rank_zero(lambda: (check_trackers_installed(run.train.trackers), self.lock_run_dir()))
                 self.checkpoints = ckpt.CheckpointManager.from_run(run, echo=self.echo)
                 resume_from = self.checkpoints.resume_point()
                 self.data = build_data(run, echo=self.echo)
@@ -567,7 +567,16 @@ def default_hooks(trainer: Trainer, tensorboard: bool = True,
                            resumed_at=state.step, evaluations_redone=state.step in (0, trainer.max_steps),
                            config=trainer.config_dict, info=trainer.run_info() if is_main and trackers else None,
                            project=trainer.options.tracker_project)
-    plan = trainer.plan
+    try:
+        return _hooks_around(trainer, writer, extra)
+    except BaseException:
+        writer.close(failed=True)  # its tracker runs end, not left open
+        raise
+
+
+def _hooks_around(trainer: Trainer, writer: MetricsWriter, extra) -> list[Hook]:
+    """default_hooks' hooks around `writer` (whose trackers its caller closes if building them fails)."""
+    state, is_main, plan = trainer.state, trainer.mesh.is_main, trainer.plan
     log = LogHook(writer, state, echo=trainer.echo, device=trainer.device,
                   compute_dtype=COMPUTE_DTYPES[trainer.precision], global_batch_size=plan.global_batch_size,
                   tokens_per_sample=plan.tokens_per_sample, description=trainer.description,
