@@ -441,7 +441,8 @@ def build_report(ranks: list[dict], required: list[dict[tuple[str, str], dict]],
     }
 
 
-def _size(nbytes: float) -> str:
+def format_size(nbytes: float) -> str:
+    """Bytes as B, KiB, MiB or GiB (the audit's tables, here and in `t5forge report`)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(nbytes) < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
@@ -464,14 +465,14 @@ def format_report(report: dict) -> str:
 
     for r in report["rows"]:
         link = f" {r.get('link') or '-'} |" if linked else ""
-        lines.append(f"| {r['collective']} | {r['dim']} |{link} {r['count']} | {_size(r['bytes'])} | {r['required_count']} | "
-                     f"{_size(r['required_bytes'])} | {ratio(r['ratio'])} | {r['exposed_ms']:.1f} | "
+        lines.append(f"| {r['collective']} | {r['dim']} |{link} {r['count']} | {format_size(r['bytes'])} | "
+                     f"{r['required_count']} | {format_size(r['required_bytes'])} | {ratio(r['ratio'])} | {r['exposed_ms']:.1f} | "
                      f"{100 * r['share']:.1f}% |")
     t = report["totals"]
-    lines.append(f"| **total** | |{' |' if linked else ''} {t['count']} | {_size(t['bytes'])} | {t['required_count']} | "
-                 f"{_size(t['required_bytes'])} | {ratio(t['ratio'])} | {t['exposed_ms']:.1f} | "
+    lines.append(f"| **total** | |{' |' if linked else ''} {t['count']} | {format_size(t['bytes'])} | "
+                 f"{t['required_count']} | {format_size(t['required_bytes'])} | {ratio(t['ratio'])} | {t['exposed_ms']:.1f} | "
                  f"{100 * t['share']:.1f}% |")
-    lines.append(f"step {report['step_ms']:.0f} ms; {_size(report['bytes_per_sample'])} per sample (all ranks); "
+    lines.append(f"step {report['step_ms']:.0f} ms; {format_size(report['bytes_per_sample'])} per sample (all ranks); "
                  + ("issued = required" if report["ok"] else f"{len(report['differences'])} difference(s):"))
     if t["unwaited"] or t["unmatched_waits"]:  # exposed time the table cannot show
         lines.append(f"waits not timed: {t['unwaited']} collective(s) (all ranks) not waited for inside the step, "
@@ -479,7 +480,7 @@ def format_report(report: dict) -> str:
                      f"issued elsewhere took {t['unmatched_wait_ms']:.1f} ms (averaged over ranks), in no row")
     if report.get("links"):
         lines.append("per link (rank 0): " + "; ".join(
-            f"{link} {_size(v['bytes'])} (required {_size(v['required_bytes'])})"
+            f"{link} {format_size(v['bytes'])} (required {format_size(v['required_bytes'])})"
             for link, v in report["links"].items()))
     for d in report["differences"][:20]:
         on = f" on the {d['link']} link" if "link" in d else ""

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from t5forge.errors import ConfigError
+from t5forge.parallel.comm_audit import format_size
 from t5forge.report.runs import Run, config_differences, median_of, tokens_seen
 
 # One colour per run in every chart (plotly's default qualitative palette).
@@ -56,16 +57,6 @@ def fmt(value, digits: int = 4) -> str:
     if isinstance(value, int):
         return str(value)
     return f"{value:.{digits}g}" if abs(value) >= 1e5 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}"
-
-
-def _size(nbytes: float | None) -> str:
-    if nbytes is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    return ""
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
@@ -276,13 +267,13 @@ def _audit_section(runs: list[Run], figures: Figures) -> str:
         verdict = ("<span class='good'>issued = required</span>" if a.get("ok")
                    else f"<span class='bad'>{len(a.get('differences', []))} difference(s)</span>")
         rows = a.get("rows", [])
-        body = [[_e(r["collective"]), _e(r["dim"]), str(r["count"]), _size(r["bytes"]), str(r["required_count"]),
-                 _size(r["required_bytes"]), "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
+        body = [[_e(r["collective"]), _e(r["dim"]), str(r["count"]), format_size(r["bytes"]), str(r["required_count"]),
+                 format_size(r["required_bytes"]), "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
                  f"{r['exposed_ms']:.1f}", f"{100 * r['share']:.1f}%"] for r in rows]
         t = a.get("totals", {})
         if t:
-            body.append(["<b>total</b>", "", str(t["count"]), _size(t["bytes"]), str(t["required_count"]),
-                         _size(t["required_bytes"]), "-" if t.get("ratio") is None else f"{t['ratio']:.2f}",
+            body.append(["<b>total</b>", "", str(t["count"]), format_size(t["bytes"]), str(t["required_count"]),
+                         format_size(t["required_bytes"]), "-" if t.get("ratio") is None else f"{t['ratio']:.2f}",
                          f"{t['exposed_ms']:.1f}", f"{100 * t['share']:.1f}%"])
         attrs = [["", "", "", f"data-run='{_e(run.name)}' data-key='audit_bytes' data-bytes='{r['bytes']}'",
                   "", "", "", "", ""] for r in rows] + ([[""] * 9] if t else [])
@@ -348,7 +339,7 @@ def _checkpoint_section(runs: list[Run]) -> str:
         if not run.checkpoints:
             parts.append(f"<p>{_e(run.name)}: no checkpoints</p>")
             continue
-        rows = [[_e(c.path.name), str(c.step), _size(c.bytes),
+        rows = [[_e(c.path.name), str(c.step), format_size(c.bytes),
                  f"<span class='{'good' if c.status.startswith('ok') else 'bad'}'>{_e(c.status)}</span>"]
                 for c in run.checkpoints]
         parts.append(f"<h3>{_e(run.name)}</h3>" + table(["checkpoint", "step", "size", "verification"], rows,

@@ -158,8 +158,11 @@ class MetricsWriter:
         self.trackers = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            # -1: nothing logged yet (a fine-tuning run logs its starting point at iteration 0)
-            logged_through = max((r["iteration"] for r in read_records(self.path)[0]), default=-1)
+            # What an earlier attempt logged, read before continue_from drops it; -1: nothing logged yet (a
+            # fine-tuning run logs its starting point at iteration 0).
+            logged_through = -1
+            if trackers:
+                logged_through = max((r["iteration"] for r in read_records(self.path)[0]), default=-1)
             if resumed_at is not None:
                 self.continue_from(resumed_at, evaluations_redone)
             if trackers:

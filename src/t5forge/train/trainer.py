@@ -249,8 +249,12 @@ class Trainer:
             where = "whole on every rank" + zero1
         return f"vocabulary: {vocab} words; embedding and head {where}"
 
+    @functools.cached_property
+    def model_summary(self):
+        return summarize(self.model_config)  # (a model built on the meta device: once per trainer)
+
     def describe(self, name: str, build_seconds: float) -> str:
-        s = summarize(self.model_config)
+        s = self.model_summary
         memory = s.training_gib(mixed_precision=self.precision != "fp32")
         plan = self.plan
         lines = [f"model: {name} ({s.variant}), {human_count(s.parameters)} parameters: encoder "
@@ -273,7 +277,7 @@ class Trainer:
     def run_info(self) -> dict:
         """What the run is, as data (RUN_DIR/run_info.json; the report and the experiment trackers show it): the
         model and its parameters by part, the model state memory, the layout and the batch arithmetic."""
-        s, plan = summarize(self.model_config), self.plan
+        s, plan = self.model_summary, self.plan
         c = self.model_config
         return {"model": self.model_name, "variant": s.variant, "model_type": s.model_type,
                 "parameters": {"total": s.parameters, "embedding": s.embedding, "encoder": s.encoder,
