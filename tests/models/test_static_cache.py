@@ -13,7 +13,7 @@ from hf_reference import SMALL, VARIANTS, build_hf_model
 import t5forge
 from t5forge.errors import ConfigError
 from t5forge.inference import prepare_for_inference
-from t5forge.models.optimize import Int8Linear, optimize_for_inference
+from t5forge.models.optimize import FusedLinear, Int8Linear, optimize_for_inference
 from t5forge.models.static_cache import StaticKVCache, step_function
 from t5forge.models.t5 import T5Config, T5ForConditionalGeneration
 
@@ -90,9 +90,10 @@ def test_int8_weights_stay_close_to_fp32(vocab):
     model.eval()
     quantized = optimize_for_inference(copy.deepcopy(model), "int8")
     linears = [m for m in quantized.modules() if isinstance(m, torch.nn.Linear)]
-    # Every linear layer: per encoder block q, k, v, o + wi_0, wi_1, wo; per decoder block also the cross-attention
-    # q, k, v, o; and the lm_head.
-    assert not linears and sum(isinstance(m, Int8Linear) for m in quantized.modules()) == 2 * 7 + 2 * 11 + 1
+    # Every linear layer: per encoder block the fused q|k|v, o, the fused wi_0|wi_1, wo; per decoder block also the
+    # cross-attention q, k, v, o; and the lm_head.
+    assert not linears and sum(isinstance(m, Int8Linear) for m in quantized.modules()) == 2 * 4 + 2 * 8 + 1
+    assert sum(isinstance(m, FusedLinear) for m in quantized.modules()) == 2 * 2 + 2 * 2
     ids = torch.randint(2, vocab, (2, 10), generator=torch.Generator().manual_seed(2))
     decoder_ids = torch.randint(2, vocab, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

@@ -144,10 +144,8 @@ def decode_step(model: T5ForConditionalGeneration, tokens: torch.Tensor, positio
                                                num_buckets=attention.num_buckets, max_distance=attention.max_distance)
             bias = attention.relative_attention_bias(buckets).permute(0, 2, 1).unsqueeze(2)  # [rows, h, 1, cap]
             position_bias = bias.masked_fill(future[:, None, None, :], torch.finfo(bias.dtype).min)
-        normed = layer.layer_norm(hidden)
-        query = _heads(attention.q(normed), attention.d_kv)
-        for projection, buffers in ((attention.k, self_keys), (attention.v, self_values)):
-            new = _heads(projection(normed), attention.d_kv)
+        query, *keys_values = (_heads(x, attention.d_kv) for x in attention.self_projections(layer.layer_norm(hidden)))
+        for new, buffers in zip(keys_values, (self_keys, self_values)):
             buffers[i].scatter_(2, write_at.expand_as(new), new.to(buffers[i].dtype))
         out = F.scaled_dot_product_attention(query, self_keys[i], self_values[i],
                                              attn_mask=position_bias.to(query.dtype), scale=1.0)

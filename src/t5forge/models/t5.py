@@ -183,6 +183,9 @@ class T5Attention(nn.Module):
         self.k = nn.Linear(config.d_model, inner_dim, bias=False)
         self.v = nn.Linear(config.d_model, inner_dim, bias=False)
         self.o = nn.Linear(inner_dim, config.d_model, bias=False)
+        # q, k and v of self-attention as one matmul, returning the three: set for inference only
+        # (models/optimize.py, which then drops q, k, v); training keeps the three layers HF names.
+        self.fused_qkv: nn.Module | None = None
         if has_relative_attention_bias:
             self.relative_attention_bias = nn.Embedding(self.num_buckets, self.n_heads)
 
@@ -201,6 +204,12 @@ class T5Attention(nn.Module):
         values = self.relative_attention_bias(buckets)  # [q, k, heads]
         return values.permute(2, 0, 1).unsqueeze(0)
 
+    def self_projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention's queries, keys and values [batch, len, heads * d_kv] of `hidden_states`."""
+        if self.fused_qkv is not None:
+            return self.fused_qkv(hidden_states)
+        return self.q(hidden_states), self.k(hidden_states), self.v(hidden_states)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -213,21 +222,25 @@ class T5Attention(nn.Module):
         `cache` (generation, see KVCache) keeps this layer's keys and values: self-attention appends the new
         positions' to those of the earlier steps, cross-attention computes them once."""
         batch, q_len, _ = hidden_states.shape
-        source = hidden_states if key_value_states is None else key_value_states
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [b, len, h*d] -> [b, h, len, d]
             # The head count comes from the tensor: under tensor parallelism a rank holds h / tp heads.
             return x.view(batch, x.shape[1], -1, self.d_kv).transpose(1, 2)
 
-        query = heads(self.q(hidden_states))
-        if cache is not None and key_value_states is not None and cache.key is not None:
-            key, value = cache.key, cache.value
-        else:
-            key, value = heads(self.k(source)), heads(self.v(source))
+        if key_value_states is None:  # self-attention
+            query, key, value = (heads(x) for x in self.self_projections(hidden_states))
             if cache is not None:
-                if key_value_states is None and cache.key is not None:
+                if cache.key is not None:
                     key, value = torch.cat([cache.key, key], dim=2), torch.cat([cache.value, value], dim=2)
                 cache.key, cache.value = key, value
+        else:
+            query = heads(self.q(hidden_states))
+            if cache is not None and cache.key is not None:
+                key, value = cache.key, cache.value
+            else:
+                key, value = heads(self.k(key_value_states)), heads(self.v(key_value_states))
+                if cache is not None:
+                    cache.key, cache.value = key, value
         if attn_bias is not None:
             attn_bias = attn_bias.to(query.dtype)
         out = F.scaled_dot_product_attention(
@@ -299,9 +312,15 @@ class T5DenseGatedActDense(nn.Module):
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = _ACTIVATIONS[config.dense_act_fn]
+        # wi_0 and wi_1 as one matmul returning the two: inference only (models/optimize.py), as T5Attention's.
+        self.fused_wi: nn.Module | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        if self.fused_wi is not None:
+            gate, up = self.fused_wi(hidden_states)
+        else:
+            gate, up = self.wi_0(hidden_states), self.wi_1(hidden_states)
+        hidden_states = self.act(gate) * up
         hidden_states = self.dropout(hidden_states)
         return self.wo(hidden_states.to(linear_input_dtype(self.wo)))
 
