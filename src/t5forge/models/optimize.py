@@ -74,8 +74,6 @@ class FusedLinear(nn.Module):
     wi_0, wi_1 at one row per step: one weight stream and one call instead of three (two). Numbers equal the
     separate layers': int8's scales are per output channel and per input tensor, unchanged by stacking."""
 
-    input_dtype = torch.float32
-
     def __init__(self, linears: list[nn.Linear], make):
         super().__init__()
         self.sizes = [linear.out_features for linear in linears]

@@ -144,8 +144,8 @@ def decode_step(model: T5ForConditionalGeneration, tokens: torch.Tensor, positio
                                                num_buckets=attention.num_buckets, max_distance=attention.max_distance)
             bias = attention.relative_attention_bias(buckets).permute(0, 2, 1).unsqueeze(2)  # [rows, h, 1, cap]
             position_bias = bias.masked_fill(future[:, None, None, :], torch.finfo(bias.dtype).min)
-        query, *keys_values = (_heads(x, attention.d_kv) for x in attention.self_projections(layer.layer_norm(hidden)))
-        for new, buffers in zip(keys_values, (self_keys, self_values)):
+        query, key, value = (_heads(x, attention.d_kv) for x in attention.self_projections(layer.layer_norm(hidden)))
+        for new, buffers in ((key, self_keys), (value, self_values)):
             buffers[i].scatter_(2, write_at.expand_as(new), new.to(buffers[i].dtype))
         out = F.scaled_dot_product_attention(query, self_keys[i], self_values[i],
                                              attn_mask=position_bias.to(query.dtype), scale=1.0)
