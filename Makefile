@@ -24,11 +24,13 @@ $(INSTALLED): pyproject.toml constraints.txt
 install: $(INSTALLED)
 
 # `make test` skips the tests marked e2e (slow end-to-end runs); `make test-e2e` runs only those.
+# --dist loadscope keeps each module on one worker: xdist's default spreads a module's tests over both, and
+# each worker then builds the module's fixtures (the launches of many layouts) once more.
 test: $(INSTALLED)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e" --durations=10 tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q -m "not e2e" --durations=10 tests
 
 test-e2e: $(INSTALLED)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q -m e2e --durations=10 tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q -m e2e --durations=10 tests
 
 # The local Slurm cluster of tests/distributed/test_slurm.py (e2e) needs Debian's Slurm and munge; as root with
 # apt, installed once; elsewhere nothing is done and that test says why it skips.
@@ -56,7 +58,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 	touch $(FLOOR_VENV)/.installed
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e" tests
+	$(FLOOR_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q -m "not e2e" tests
 
 demo: $(INSTALLED)
 	$(PY) scripts/demo.py

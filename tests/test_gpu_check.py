@@ -158,6 +158,7 @@ def test_sync_guard_covers_the_train_step_alone_and_the_emulation_catches_reads_
         undo()
 
 
+@pytest.mark.e2e  # the suite's one large dry run: every check of the GPU machine, ~2 minutes of both cores
 def test_gpu_check_dry_run_passes_on_the_emulated_gpu_image_and_reports_every_check(tmp_path):
     """The one dry run of the suite: packages of the GPU image's kind (matplotlib hidden and not brought), the
     sync guard on with CUDA's behaviour emulated, every check passed and recorded."""

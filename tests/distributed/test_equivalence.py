@@ -3,7 +3,8 @@
 same subsequent losses; a 2-"node" job; a failing rank brings the job down; bad layouts are refused.
 
 Process start-up dominates, so all layouts of one world size run in one torchrun launch
-(tests/distributed/layouts.py) and the assertions read its results."""
+(tests/distributed/layouts.py) and the assertions read its results. The layouts of E2E_LAYOUTS (variants of
+combinations the others cover, and the network-namespace nodes) launch in `make test-e2e` only."""
 
 from __future__ import annotations
 
@@ -123,6 +124,22 @@ FINETUNE_LAYOUTS = {
 }
 TWO_RANKS.update({name: ";".join([*FINETUNE, spec]) for name, spec in FINETUNE_LAYOUTS.items()})
 TIED = ["model.preset=t5-small"]
+# Variants of what the other layouts already test (another ZeRO stage, precision, checkpointing mode, packing,
+# micro-batch split or host-read audit of a tested combination) and the namespace nodes: their launches run in
+# `make test-e2e` only, to keep `make test` within its time. The other layouts cover every feature alone.
+E2E_LAYOUTS = {"dp2_tp2", "audit_dp2_tp2_zero3", "dp2_tp2_zero3_sp", "dp2_tp2_zero1_sp", "dp2_accumulate",
+               "audit_tp2_fp16", "tp2_ac_full", "tied_dp2_zero3", "init_dp2_zero3",
+               "ft_dp2", "ft_dp2_zero3_packed", *NETNS_RANKS}
+
+
+def params(names, e2e: set = E2E_LAYOUTS) -> list:
+    """pytest parameters of the named layouts, marked e2e where only the e2e run launches them."""
+    return [pytest.param(name, marks=pytest.mark.e2e) if name in e2e else name for name in names]
+
+
+def launched(request, layout: str, e2e: set = E2E_LAYOUTS):
+    """The module's results fixture of the launch that ran `layout`: make test's, or the e2e run's own."""
+    return request.getfixturevalue("e2e_results" if layout in e2e else "results")
 
 
 def free_port() -> int:
@@ -168,7 +185,8 @@ def run_on_namespaces(cases: dict, dataset_prefix, tokenizer_dir, out: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
+def references(dataset_prefix, tokenizer_dir, tmp_path_factory):
+    """The single-process runs the layouts are compared with, and the files some layouts start from."""
     out = tmp_path_factory.mktemp("layouts")
     reference = {}
     with Trainer(load_config(None, base_overrides(dataset_prefix, tokenizer_dir, str(out / "initial"))),
@@ -187,17 +205,44 @@ def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
         reference[key] = (trainer.state.losses, {k: v.clone() for k, v in trainer.model.state_dict().items()})
         if key == 3:  # a trained model as an HF directory, for sharded loading
             trainer.model.save_pretrained(out / "hf_reference")
+    return out, reference
+
+
+def launch(four_ranks: dict, two_ranks: dict, dataset_prefix, tokenizer_dir, out: Path) -> None:
+    """The four-rank cases as two "nodes" of two processes, then the two-rank cases, one launch each."""
     port = free_port()
     run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
-                FOUR_RANKS, dataset_prefix, tokenizer_dir, out, nodes=2)
-    run_layouts(["--standalone", "--nproc-per-node", "2"], TWO_RANKS, dataset_prefix, tokenizer_dir, out)
-    run_on_namespaces(NETNS_RANKS, dataset_prefix, tokenizer_dir, out)
+                four_ranks, dataset_prefix, tokenizer_dir, out, nodes=2)
+    run_layouts(["--standalone", "--nproc-per-node", "2"], two_ranks, dataset_prefix, tokenizer_dir, out)
+
+
+def split(cases: dict, e2e: set, in_e2e: bool) -> dict:
+    chosen = {name: spec for name, spec in cases.items() if (name in e2e) == in_e2e}
+    if in_e2e:  # the e2e run launches these alone: none may resume from a checkpoint another launch writes
+        assert not [name for name, spec in chosen.items() if "train.resume" in spec], chosen
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def results(references, dataset_prefix, tokenizer_dir):
+    out, _ = references
+    launch(split(FOUR_RANKS, E2E_LAYOUTS, False), split(TWO_RANKS, E2E_LAYOUTS, False), dataset_prefix,
+           tokenizer_dir, out)
     single = train(load_config(None, [*base_overrides(dataset_prefix, tokenizer_dir, str(out / "resume_single")),
                                       "train.max_steps=6", f"train.resume={out / CHECKPOINT}"]),
                    echo=lambda *_: None, tensorboard=False)
     (out / "resume_single.json").write_text(json.dumps({"losses": single.state.losses}))
-    return out, reference
+    return references
+
+
+@pytest.fixture(scope="module")
+def e2e_results(references, dataset_prefix, tokenizer_dir):
+    out, _ = references
+    launch(split(FOUR_RANKS, E2E_LAYOUTS, True), split(TWO_RANKS, E2E_LAYOUTS, True), dataset_prefix,
+           tokenizer_dir, out)
+    run_on_namespaces(NETNS_RANKS, dataset_prefix, tokenizer_dir, out)
+    return references
 
 
 def relative_difference(a: list[float], b: list[float]) -> float:
@@ -205,10 +250,11 @@ def relative_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("layout", [n for n in {**FOUR_RANKS, **TWO_RANKS}
-                                    if not n.startswith(("save", "resume", "init", "hf", "audit", "injected", "ft"))])
-def test_layout_trains_like_one_process(layout, results):
-    out, reference = results
+@pytest.mark.parametrize("layout", params(n for n in {**FOUR_RANKS, **TWO_RANKS}
+                                           if not n.startswith(("save", "resume", "init", "hf", "audit", "injected",
+                                                                "ft"))))
+def test_layout_trains_like_one_process(layout, request):
+    out, reference = launched(request, layout)
     losses, weights = reference["tied" if layout.startswith("tied") else 3]
     assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
     trained = load_file(out / f"{layout}.safetensors")
@@ -225,9 +271,9 @@ def test_layout_trains_like_one_process(layout, results):
     assert relative_difference([norms[i] for i in sorted(norms)], [single[i] for i in sorted(norms)]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", list(FINETUNE_LAYOUTS))
-def test_finetuning_trains_and_generates_like_one_process(layout, results):
-    out, reference = results
+@pytest.mark.parametrize("layout", params(FINETUNE_LAYOUTS))
+def test_finetuning_trains_and_generates_like_one_process(layout, request):
+    out, reference = launched(request, layout)
     single_run = "single_finetune_packed" if layout.endswith("packed") else "single_finetune"
     losses, weights = reference["finetune_packed" if layout.endswith("packed") else "finetune"]
     if layout.endswith("packed"):  # packed batches hold other examples than padded ones: other losses
@@ -260,11 +306,11 @@ def test_finetuning_trains_and_generates_like_one_process(layout, results):
     assert (out / layout / "best" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("layout", [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if EVAL in spec])
-def test_evaluation_of_a_vocab_parallel_head_equals_the_full_logits(layout, results):
+@pytest.mark.parametrize("layout", params(n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if EVAL in spec))
+def test_evaluation_of_a_vocab_parallel_head_equals_the_full_logits(layout, request):
     """Evaluation reduces each vocabulary shard's logits, chunk by chunk, to four numbers per token and never
     gathers the logits: the same loss per token and accuracy as the gathered full logits."""
-    out, _ = results
+    out, _ = launched(request, layout)
     result = json.loads((out / f"{layout}.json").read_text())
     evaluated, reference = result["evaluate"], result["full_logits"]
     assert evaluated["tokens"] == reference["tokens"] > 0
@@ -272,9 +318,9 @@ def test_evaluation_of_a_vocab_parallel_head_equals_the_full_logits(layout, resu
     assert evaluated["accuracy"] == reference["accuracy"]
 
 
-@pytest.mark.parametrize("layout", ["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"])
-def test_sharded_initialisation_equals_the_single_process_one(layout, results):
-    out, reference = results
+@pytest.mark.parametrize("layout", params(["init_tp2", "init_dp2_zero3", "init_dp2_tp2_zero3"]))
+def test_sharded_initialisation_equals_the_single_process_one(layout, request):
+    out, reference = launched(request, layout)
     built = load_file(out / f"{layout}.safetensors")
     assert built.keys() == reference["initial"].keys()
     for name, tensor in reference["initial"].items():
@@ -291,9 +337,9 @@ def test_each_rank_loads_its_slices_of_an_hf_checkpoint(layout, results):
         assert torch.equal(built[name], tensor), f"{layout}: {name}"
 
 
-@pytest.mark.parametrize("layout", ["audit_dp2_zero0", "dp2_zero1", "dp2_tp2_zero1_sp", "audit_dp2_tp2_zero3"])
-def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, results):
-    out, _ = results
+@pytest.mark.parametrize("layout", params(["audit_dp2_zero0", "dp2_zero1", "dp2_tp2_zero1_sp", "audit_dp2_tp2_zero3"]))
+def test_collectives_run_on_the_compute_device_and_steps_read_nothing(layout, request):
+    out, _ = launched(request, layout)
     audits = json.loads((out / f"{layout}.json").read_text())["audits"]
     assert len(audits) in (2, 4)
     for rank, audit in enumerate(audits):
@@ -335,9 +381,9 @@ def measured(report: dict, collective: str, dim: str) -> tuple[int, int]:
     return (row["count"], row["bytes"]) if row else (0, 0)
 
 
-@pytest.mark.parametrize("layout", AUDITED)
-def test_every_collective_of_a_step_equals_the_analytic_minimum(layout, results):
-    out, _ = results
+@pytest.mark.parametrize("layout", params(AUDITED))
+def test_every_collective_of_a_step_equals_the_analytic_minimum(layout, request):
+    out, _ = launched(request, layout)
     report = comm_audit(out, layout)
     assert report["ok"], format_report(report)
     assert report["differences"] == []
@@ -391,13 +437,13 @@ def test_a_redundant_collective_fails_the_audit(results):
     assert "difference(s)" in format_report(report)
 
 
-@pytest.mark.parametrize("layout", NETNS_RANKS)
-def test_namespace_nodes_train_like_one_process_with_bytes_on_the_links_of_the_model(layout, results):
+@pytest.mark.parametrize("layout", params(NETNS_RANKS))
+def test_namespace_nodes_train_like_one_process_with_bytes_on_the_links_of_the_model(layout, request):
     """Two network-namespace nodes (their own addresses, a real link between them): the losses and weights of
     one process, every collective as comm_model requires, and each on the link comm_model.links predicts:
     with tensor parallelism inside the nodes no tensor-parallel byte crosses them, with the bad mapping they
     all do and the data-parallel ones stay inside."""
-    out, reference = results
+    out, reference = launched(request, layout)
     if (out / "netns_skipped").exists():
         pytest.skip((out / "netns_skipped").read_text())
     losses, weights = reference[3]

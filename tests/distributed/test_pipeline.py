@@ -5,7 +5,8 @@ and the last stage): 3 AdamW steps give the single-process losses within 1e-5 re
 gradient norms and the same weights. Checkpoints reshard between pipelined and other layouts, and the
 HF export gathered from the stages holds the trained weights.
 
-All layouts of one world size run in one torchrun launch (tests/distributed/layouts.py)."""
+All layouts of one world size run in one torchrun launch (tests/distributed/layouts.py); those of
+E2E_LAYOUTS (other schedules and modes of combinations the others test) in `make test-e2e` only."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import pytest
 from layouts import base_overrides
 from safetensors.torch import load_file
-from test_equivalence import free_port, relative_difference, run_layouts
+from test_equivalence import launch, launched, params, relative_difference, split
 
 import t5forge
 from t5forge.config import load_config
@@ -52,6 +53,11 @@ TWO_RANKS = {
     "export_pp2_tied": f"parallel.pp=2;{TIED};{PP};train.export_hf=true",
 }
 
+# pp4 with the schedules pp2 tests, tp2 x pp2 interleaved on the tied model (tp2 x pp2 and interleaved pp2 tied
+# are tested), selective checkpointing under interleaving (full under 1F1B is), an explicit split: e2e only.
+E2E_LAYOUTS = {"pp4_gpipe", "pp4_1f1b", "tp2_pp2_interleaved_1f1b_tied", "pp2_interleaved_1f1b_ac_selective",
+               "pp2_explicit_split"}
+
 
 def single_process(dataset_prefix, tokenizer_dir, out, name: str, *extra: str):
     overrides = [*base_overrides(dataset_prefix, tokenizer_dir, str(out / name)), *PP.split(";"), *extra]
@@ -60,20 +66,29 @@ def single_process(dataset_prefix, tokenizer_dir, out, name: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def results(dataset_prefix, tokenizer_dir, tmp_path_factory):
+def references(dataset_prefix, tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    reference = {"untied": single_process(dataset_prefix, tokenizer_dir, out, "single"),
+    return out, {"untied": single_process(dataset_prefix, tokenizer_dir, out, "single"),
                  "tied": single_process(dataset_prefix, tokenizer_dir, out, "single_tied", TIED),
                  "six": single_process(dataset_prefix, tokenizer_dir, out, "single_six", "train.max_steps=6")}
-    port = free_port()
-    run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
-                FOUR_RANKS, dataset_prefix, tokenizer_dir, out, nodes=2)
-    run_layouts(["--standalone", "--nproc-per-node", "2"], TWO_RANKS, dataset_prefix, tokenizer_dir, out)
+
+
+@pytest.fixture(scope="module")
+def results(references, dataset_prefix, tokenizer_dir):
+    out, _ = references
+    launch(split(FOUR_RANKS, E2E_LAYOUTS, False), split(TWO_RANKS, E2E_LAYOUTS, False), dataset_prefix,
+           tokenizer_dir, out)
     resumed, _ = single_process(dataset_prefix, tokenizer_dir, out, "resume_single", "train.max_steps=6",
                                 f"train.resume={out / SAVED}")
     (out / "resume_single.json").write_text(json.dumps({"losses": resumed}))
-    return out, reference
+    return references
+
+
+@pytest.fixture(scope="module")
+def e2e_results(references, dataset_prefix, tokenizer_dir):
+    launch(split(FOUR_RANKS, E2E_LAYOUTS, True), split(TWO_RANKS, E2E_LAYOUTS, True), dataset_prefix,
+           tokenizer_dir, references[0])
+    return references
 
 
 def assert_weights_match(trained: dict, weights: dict, layout: str, steps: int = 3, lr: float = 1e-3) -> None:
@@ -93,9 +108,9 @@ def assert_weights_match(trained: dict, weights: dict, layout: str, steps: int =
 TRAINED = [n for n in {**FOUR_RANKS, **TWO_RANKS} if not n.startswith(("save", "resume", "export"))]
 
 
-@pytest.mark.parametrize("layout", TRAINED)
-def test_pipelined_layout_trains_like_one_process(layout, results):
-    out, reference = results
+@pytest.mark.parametrize("layout", params(TRAINED, E2E_LAYOUTS))
+def test_pipelined_layout_trains_like_one_process(layout, request):
+    out, reference = launched(request, layout, E2E_LAYOUTS)
     losses, weights = reference["tied" if "tied" in layout else "untied"]
     assert relative_difference(json.loads((out / f"{layout}.json").read_text())["losses"], losses) < 1e-5
     trained = load_file(out / f"{layout}.safetensors")  # gathered from every stage
@@ -146,11 +161,11 @@ def test_hf_export_gathers_every_stage(layout, results):
 AUDITED = [n for n, spec in {**FOUR_RANKS, **TWO_RANKS}.items() if AUDIT in spec]
 
 
-@pytest.mark.parametrize("layout", AUDITED)
-def test_pipeline_sends_exactly_the_analytic_minimum(layout, results):
+@pytest.mark.parametrize("layout", params(AUDITED, E2E_LAYOUTS))
+def test_pipeline_sends_exactly_the_analytic_minimum(layout, request):
     """Every rank's send/recv, tensor- and data-parallel collectives and tied-gradient sums equal
     comm_model's requirement for its own stages."""
-    out, _ = results
+    out, _ = launched(request, layout, E2E_LAYOUTS)
     report = json.loads((out / layout / "comm_audit.json").read_text())
     assert report["ok"], format_report(report)
     assert report["differences"] == [] and report["totals"]["ratio"] == 1.0

@@ -12,7 +12,7 @@ from hf_reference import SMALL, VARIANTS, build_hf_model
 
 import t5forge
 from t5forge.errors import ConfigError
-from t5forge.models.generate import generate
+from t5forge.models.generate import generate, row_topk
 from t5forge.models.optimize import PackedLinear, optimize_for_inference
 from t5forge.models.t5 import KVCache
 
@@ -95,6 +95,32 @@ def test_seeded_sampling_is_token_identical_to_transformers(models, packed, sett
     torch.manual_seed(123)
     again = generate(ours, ids, mask, max_new_tokens=15, generator=torch.Generator().manual_seed(9), **settings)
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("vocab", [32128, 250112])
+def test_beam_search_over_t5_and_mt5_vocabularies_is_token_identical_to_transformers(vocab, tmp_path):
+    """The beam search's top-k by blocks (row_topk) runs on real vocabulary sizes only (the tiny models above
+    have 101 tokens): beam 4 and beam 3 with 2 returned sequences on 32,128 and 250,112 tokens."""
+    hf = build_hf_model("mt5", untied=True, seed=3, vocab_size=vocab, d_model=16, d_kv=8, d_ff=24, num_heads=2,
+                        num_layers=2, num_decoder_layers=1).eval()
+    hf.save_pretrained(tmp_path)
+    ours = t5forge.from_pretrained(tmp_path).eval()
+    ids, mask = padded_batch(vocab)
+    for settings in (dict(num_beams=4), dict(num_beams=3, num_return_sequences=2, min_new_tokens=3)):
+        expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **settings)
+        got = generate(ours, ids, mask, max_new_tokens=8, **settings)
+        assert torch.equal(got, expected), (vocab, settings, got, expected)
+
+
+@pytest.mark.parametrize("columns", [32128, 32100, 250112, 300])
+def test_top_k_by_blocks_equals_torch_topk(columns):
+    scores = torch.randn(6, columns, generator=torch.Generator().manual_seed(columns))
+    scores[1, -3:] = 9.0 + torch.arange(3.0)  # the best values in the columns after the last whole block
+    scores[2, :5] = -float("inf")
+    for k in (1, 8):
+        values, indices = row_topk(scores, k)
+        expected_values, expected_indices = torch.topk(scores, k)
+        assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices), (columns, k)
 
 
 def test_cached_decoding_matches_the_full_forward_pass(models):

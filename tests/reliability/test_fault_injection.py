@@ -1,6 +1,7 @@
 """kill -9 at random moments of small training runs (steps, checkpoint writing, renames, pruning, the HF
 export, or a random time), then a restart: every restarted run ends with the uninterrupted run's losses
-bitwise, each iteration logged once, every checkpoint intact, and no process of the killed run alive."""
+bitwise, each iteration logged once, every checkpoint intact, and no process of the killed run alive.
+`make test` kills at each kind of moment once; `make test-e2e` at 20 random ones."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from faults import TARGETS, fork_server, train_child
 
 from t5forge.train.checkpoint import checkpoint_problems, latest_checkpoint
@@ -62,7 +64,9 @@ def run(context, args: list[str], kill=None, kill_after_s: float | None = None) 
     return process.exitcode
 
 
-def test_kill_9_anywhere_then_restart_gives_the_uninterrupted_run(tmp_path, dataset_prefix, tokenizer_dir):
+@pytest.mark.parametrize("trials", [pytest.param(None, id="each-target-once"),
+                                    pytest.param(TRIALS, id=f"{TRIALS}-random", marks=pytest.mark.e2e)])
+def test_kill_9_anywhere_then_restart_gives_the_uninterrupted_run(trials, tmp_path, dataset_prefix, tokenizer_dir):
     context = fork_server()
     start = time.perf_counter()
     assert run(context, overrides(tmp_path / "reference", dataset_prefix, tokenizer_dir)) == 0
@@ -72,20 +76,20 @@ def test_kill_9_anywhere_then_restart_gives_the_uninterrupted_run(tmp_path, data
     assert sorted(losses) == list(range(1, STEPS + 1))
     server_pid = next(pid for pid in _forkserver_pids())
     try:
-        _trials(context, duration, losses, server_pid, tmp_path, dataset_prefix, tokenizer_dir)
+        _trials(context, duration, losses, server_pid, tmp_path, dataset_prefix, tokenizer_dir, trials)
     finally:  # never leave a process behind, even when the test fails
         for pid in orphans(server_pid):
             os.kill(pid, signal.SIGKILL)
 
 
-def _trials(context, duration, losses, server_pid, tmp_path, dataset_prefix, tokenizer_dir) -> None:
-
+def _trials(context, duration, losses, server_pid, tmp_path, dataset_prefix, tokenizer_dir, trials) -> None:
+    """`trials` kills at random moments, or (None) one at each target and one at a random time."""
     rng = random.Random(20261203)
     outcomes: Counter = Counter()
-    for trial in range(TRIALS):
+    targets = [*TARGETS, "time"] if trials is None else [rng.choice([*TARGETS, "time"]) for _ in range(trials)]
+    for trial, target in enumerate(targets):
         run_dir = tmp_path / f"trial{trial:02d}"
         args = overrides(run_dir, dataset_prefix, tokenizer_dir)
-        target = rng.choice([*TARGETS, "time"])
         if target == "time":
             code = run(context, args, kill_after_s=rng.uniform(0.1, duration))
             moment = "at a random time"
@@ -114,10 +118,10 @@ def _trials(context, duration, losses, server_pid, tmp_path, dataset_prefix, tok
         assert json.loads((run_dir / "hf" / "config.json").read_text())["d_model"] == 32
         outcomes[(target, "killed" if killed else "ran to the end")] += 1
 
-    print(f"\n{TRIALS} kill -9 trials, each restarted to the end with the uninterrupted losses bitwise:")
+    print(f"\n{len(targets)} kill -9 trials, each restarted to the end with the uninterrupted losses bitwise:")
     for (target, outcome), count in sorted(outcomes.items()):
         print(f"  {target}: {count} {outcome}")
-    assert sum(n for (_, outcome), n in outcomes.items() if outcome == "killed") >= TRIALS // 2
+    assert sum(n for (_, outcome), n in outcomes.items() if outcome == "killed") >= len(targets) // 2
 
 
 def _forkserver_pids() -> list[int]:

@@ -120,13 +120,28 @@ class CTranslate2Side:
         self.connection, child = context.Pipe()
         self.process = context.Process(target=_ct2_worker, args=(child, hf_dir, work_dir, vocab_size), daemon=True)
         self.process.start()
-        if self.connection.recv() != "ready":
+        child.close()  # the child's end lives in the child only: its exit is then an EOF here, not a hang
+        if self._receive(timeout_s=1800) != "ready":
             raise RuntimeError("the CTranslate2 process did not start")
+
+    def _receive(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not self.connection.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the CTranslate2 process ended with exit code {self.process.exitcode}")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the CTranslate2 process did not answer within {timeout_s:.0f} s")
+        try:
+            return self.connection.recv()
+        except EOFError:
+            self.process.join(timeout=10)
+            raise RuntimeError(f"the CTranslate2 process ended with exit code {self.process.exitcode}") from None
 
     def run(self, quantization: str, batches: list[torch.Tensor], beams: int, new_tokens: int) -> tuple[float, torch.Tensor]:
         """(seconds of the child's own timing, output ids) of generating for each batch of `batches`."""
         self.connection.send((quantization, [b.tolist() for b in batches], beams, new_tokens))
-        seconds, outputs = self.connection.recv()
+        seconds, outputs = self._receive(timeout_s=1800)
         return seconds, torch.tensor(outputs)
 
     def close(self) -> None:

