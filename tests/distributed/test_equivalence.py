@@ -208,27 +208,27 @@ def references(dataset_prefix, tokenizer_dir, tmp_path_factory):
     return out, reference
 
 
-def launch(four_ranks: dict, two_ranks: dict, dataset_prefix, tokenizer_dir, out: Path) -> None:
-    """The four-rank cases as two "nodes" of two processes, then the two-rank cases, one launch each."""
+def launch(four_ranks: dict, two_ranks: dict, dataset_prefix, tokenizer_dir, out: Path, e2e: set,
+           e2e_run: bool) -> None:
+    """The cases of this run (those in `e2e` for the e2e run, the others for make test): the four-rank ones as
+    two "nodes" of two processes, then the two-rank ones, one launch each."""
+    def chosen(cases: dict) -> dict:
+        picked = {name: spec for name, spec in cases.items() if (name in e2e) == e2e_run}
+        if e2e_run:  # launched without make test's cases: none may resume from a checkpoint those write
+            assert not [name for name, spec in picked.items() if "train.resume" in spec], picked
+        return picked
+
     port = free_port()
     run_layouts(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t5forge-{port}"],
-                four_ranks, dataset_prefix, tokenizer_dir, out, nodes=2)
-    run_layouts(["--standalone", "--nproc-per-node", "2"], two_ranks, dataset_prefix, tokenizer_dir, out)
-
-
-def split(cases: dict, e2e: set, in_e2e: bool) -> dict:
-    chosen = {name: spec for name, spec in cases.items() if (name in e2e) == in_e2e}
-    if in_e2e:  # the e2e run launches these alone: none may resume from a checkpoint another launch writes
-        assert not [name for name, spec in chosen.items() if "train.resume" in spec], chosen
-    return chosen
+                chosen(four_ranks), dataset_prefix, tokenizer_dir, out, nodes=2)
+    run_layouts(["--standalone", "--nproc-per-node", "2"], chosen(two_ranks), dataset_prefix, tokenizer_dir, out)
 
 
 @pytest.fixture(scope="module")
 def results(references, dataset_prefix, tokenizer_dir):
     out, _ = references
-    launch(split(FOUR_RANKS, E2E_LAYOUTS, False), split(TWO_RANKS, E2E_LAYOUTS, False), dataset_prefix,
-           tokenizer_dir, out)
+    launch(FOUR_RANKS, TWO_RANKS, dataset_prefix, tokenizer_dir, out, E2E_LAYOUTS, e2e_run=False)
     single = train(load_config(None, [*base_overrides(dataset_prefix, tokenizer_dir, str(out / "resume_single")),
                                       "train.max_steps=6", f"train.resume={out / CHECKPOINT}"]),
                    echo=lambda *_: None, tensorboard=False)
@@ -239,8 +239,7 @@ def results(references, dataset_prefix, tokenizer_dir):
 @pytest.fixture(scope="module")
 def e2e_results(references, dataset_prefix, tokenizer_dir):
     out, _ = references
-    launch(split(FOUR_RANKS, E2E_LAYOUTS, True), split(TWO_RANKS, E2E_LAYOUTS, True), dataset_prefix,
-           tokenizer_dir, out)
+    launch(FOUR_RANKS, TWO_RANKS, dataset_prefix, tokenizer_dir, out, E2E_LAYOUTS, e2e_run=True)
     run_on_namespaces(NETNS_RANKS, dataset_prefix, tokenizer_dir, out)
     return references
 

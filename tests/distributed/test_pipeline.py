@@ -15,7 +15,7 @@ import json
 import pytest
 from layouts import base_overrides
 from safetensors.torch import load_file
-from test_equivalence import launch, launched, params, relative_difference, split
+from test_equivalence import launch, launched, params, relative_difference
 
 import t5forge
 from t5forge.config import load_config
@@ -76,8 +76,7 @@ def references(dataset_prefix, tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(references, dataset_prefix, tokenizer_dir):
     out, _ = references
-    launch(split(FOUR_RANKS, E2E_LAYOUTS, False), split(TWO_RANKS, E2E_LAYOUTS, False), dataset_prefix,
-           tokenizer_dir, out)
+    launch(FOUR_RANKS, TWO_RANKS, dataset_prefix, tokenizer_dir, out, E2E_LAYOUTS, e2e_run=False)
     resumed, _ = single_process(dataset_prefix, tokenizer_dir, out, "resume_single", "train.max_steps=6",
                                 f"train.resume={out / SAVED}")
     (out / "resume_single.json").write_text(json.dumps({"losses": resumed}))
@@ -86,8 +85,7 @@ def results(references, dataset_prefix, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def e2e_results(references, dataset_prefix, tokenizer_dir):
-    launch(split(FOUR_RANKS, E2E_LAYOUTS, True), split(TWO_RANKS, E2E_LAYOUTS, True), dataset_prefix,
-           tokenizer_dir, references[0])
+    launch(FOUR_RANKS, TWO_RANKS, dataset_prefix, tokenizer_dir, references[0], E2E_LAYOUTS, e2e_run=True)
     return references
 
 

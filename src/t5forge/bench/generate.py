@@ -124,23 +124,27 @@ class CTranslate2Side:
         if self._receive(timeout_s=1800) != "ready":
             raise RuntimeError("the CTranslate2 process did not start")
 
+    def _ended(self) -> RuntimeError:
+        self.process.join(timeout=10)
+        return RuntimeError(f"the CTranslate2 process ended with exit code {self.process.exitcode}")
+
     def _receive(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
-        while not self.connection.poll(1.0):
-            if not self.process.is_alive():
-                raise RuntimeError(f"the CTranslate2 process ended with exit code {self.process.exitcode}")
+        while not self.connection.poll(1.0):  # a child that died is an EOF here (its end is closed in this one)
             if time.monotonic() > deadline:
                 self.process.kill()
                 raise RuntimeError(f"the CTranslate2 process did not answer within {timeout_s:.0f} s")
         try:
             return self.connection.recv()
         except EOFError:
-            self.process.join(timeout=10)
-            raise RuntimeError(f"the CTranslate2 process ended with exit code {self.process.exitcode}") from None
+            raise self._ended() from None
 
     def run(self, quantization: str, batches: list[torch.Tensor], beams: int, new_tokens: int) -> tuple[float, torch.Tensor]:
         """(seconds of the child's own timing, output ids) of generating for each batch of `batches`."""
-        self.connection.send((quantization, [b.tolist() for b in batches], beams, new_tokens))
+        try:
+            self.connection.send((quantization, [b.tolist() for b in batches], beams, new_tokens))
+        except BrokenPipeError:
+            raise self._ended() from None
         seconds, outputs = self._receive(timeout_s=1800)
         return seconds, torch.tensor(outputs)
 
