@@ -51,16 +51,27 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 def loader_worker_init(*_ignored) -> None:
     """A DataLoader worker's set-up: it dies with its trainer (die_with_parent), and leaves the stop signals to
-    it. Slurm signals every process of a job and a terminal's Ctrl-C every process of its group; a worker
-    killed by one would make the trainer raise at once (its SIGCHLD handler), before its graceful stop.
-    SIGINT and SIGUSR1 are ignored; SIGTERM, which the DataLoader itself sends to stop a worker that does not
-    end, ends it with status 0 (no error in the trainer; a batch asked of it later fails after 5 s)."""
+    it. Slurm signals every process of a job, torchrun's agent the whole process group of each rank and a
+    terminal's Ctrl-C every process of its group: a worker that died of one would lose the batches the
+    trainer still needs for the step it finishes before its graceful stop (a batch already queued too: its
+    tensor's file descriptor is fetched from the worker when received). So SIGINT and SIGUSR1 are ignored,
+    and a SIGTERM ends the worker (status 0) only when its trainer sent it: the DataLoader does, to a worker
+    that does not end when told to, and so does multiprocessing at the trainer's exit."""
     die_with_parent()
     for number in STOP_SIGNALS:
-        if number == signal.SIGTERM:
-            signal.signal(number, lambda *_: os._exit(0))
-        else:
+        if number != signal.SIGTERM:
             signal.signal(number, signal.SIG_IGN)
+    # A handler cannot see who sent a signal; sigwaitinfo can: SIGTERM is blocked here (threads started
+    # later inherit that) and a thread of its own takes it, sender and all, even while the main thread hangs.
+    trainer = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def end_when_the_trainer_asks() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=end_when_the_trainer_asks, name="sigterm-from-trainer", daemon=True).start()
 
 
 def launched_by_torchrun() -> bool:

@@ -171,3 +171,41 @@ def test_stop_signals_are_named_signals_a_process_can_catch():
     for bad in ("SIGKILL", "SIGNOPE"):
         with pytest.raises(ConfigError, match=f"train.stop_signals: '{bad}' is not a signal"):
             check_stop_signals([bad])
+
+
+# A trainer's process in its own process group, as torchrun starts a rank: it records SIGTERM (as the
+# trainer's handler does) and then still needs the batches of the step it finishes before stopping.
+GROUP_SIGNALLED = textwrap.dedent("""
+    import signal, time
+    import numpy as np
+    from t5forge.data.loader import build_loader
+
+    received = []
+    signal.signal(signal.SIGTERM, lambda *_: received.append(True))
+    samples = [{"input_ids": np.full(4, i), "labels": np.full(2, i)} for i in range(64)]
+    loader = iter(build_loader(samples, micro_batch_size=2, total_samples=64, num_workers=1, prefetch_factor=4))
+    next(loader)
+    print("ready", flush=True)
+    while not received:
+        time.sleep(0.01)
+    time.sleep(1.0)  # the worker has had the signal by now, with batches in the queue
+    print([next(loader)["input_ids"][:, 0].tolist() for _ in range(8)], flush=True)
+""")
+
+
+def test_a_loader_worker_outlives_a_sigterm_to_its_trainers_process_group():
+    """torchrun's agent stops a rank with killpg(SIGTERM), which reaches the DataLoader's workers too (Slurm
+    signals all of a job's processes alike): the batches after it, queued ones included, still arrive, and
+    the trainer's exit still ends the worker (multiprocessing SIGTERMs it, then waits)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    trainer = subprocess.Popen([sys.executable, "-c", GROUP_SIGNALLED], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert trainer.stdout.readline() == "ready\n", trainer.stderr.read()
+        os.killpg(trainer.pid, signal.SIGTERM)
+        out, err = trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    assert trainer.returncode == 0, err[-3000:]
+    assert out == str([[2 * k, 2 * k + 1] for k in range(1, 9)]) + "\n"
