@@ -61,6 +61,9 @@ def loader_worker_init(*_ignored) -> None:
     for number in STOP_SIGNALS:
         if number != signal.SIGTERM:
             signal.signal(number, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: no sender to tell apart; any SIGTERM ends the worker
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        return
     # A handler cannot see who sent a signal; sigwaitinfo can: SIGTERM is blocked here (threads started
     # later inherit that) and a thread of its own takes it, sender and all, even while the main thread hangs.
     trainer = os.getppid()
